@@ -1,0 +1,381 @@
+"""Typed config schemas, registered in Hydra's ConfigStore, and the value checks run before any work.
+
+Each config group in ``configs/`` has a schema here. Groups whose choices take different keys
+(``model``, ``precision``, ``loss_scale``, ``optim``) have one dataclass per choice, stored under
+``schema/<group>/<choice>`` and pulled in by the YAML file's defaults list, so an override that
+does not belong to the chosen policy (``loss_scale=dynamic loss_scale.scale=8``) is rejected
+instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from mptrain.errors import MptrainError, check
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+@dataclass
+class ClassifierModelConfig:
+    """A torchvision image classifier (random init)."""
+
+    name: str = MISSING
+    task: str = "classification"
+    num_classes: int | None = None  # None: taken from the dataset
+    image_size: int = 224  # canonical input size, used on CUDA when data.image_size is null
+    cpu_image_size: int = 64  # used on CPU when data.image_size is null (a short demo run)
+    min_image_size: int = 32  # smallest input the architecture accepts
+    width_divisor: int = 1  # divide every channel count (tiny models for tests and CPU smoke runs)
+    aux_logits: bool = False  # GoogLeNet / Inception v3 auxiliary classifiers
+    aux_weight: float = 0.0  # weight of each auxiliary loss in the training loss
+    dropout: float = 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# data
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    root: str | None = None  # image_folder, cifar10: the dataset directory
+    batch_size: int = 32  # per device and per micro-step (see trainer.grad_accum)
+    val_batch_size: int | None = None  # null: same as batch_size
+    num_workers: int = 2
+    image_size: int | None = None  # null: the model's size for the device
+    num_classes: int | None = None  # synthetic: how many classes; real data: read from the data
+    train_samples: int = 1280  # synthetic: samples in one epoch
+    val_samples: int = 256  # synthetic: validation samples
+    val_fraction: float = 0.2  # digits: held-out fraction
+    augment: bool = True  # random crop / flip on real training images
+    pin_memory: bool = True
+    prefetch_factor: int = 4
+    max_val_batches: int | None = None  # null: the whole validation set
+
+
+# --------------------------------------------------------------------------------------------
+# precision
+
+
+@dataclass
+class PrecisionConfig:
+    """fp32 | tf32 | amp_fp16 | amp_bf16 | mixed | fp16_master."""
+
+    name: str = MISSING
+
+
+@dataclass
+class BF16PureConfig(PrecisionConfig):
+    stochastic_rounding: bool = True  # round the optimizer update into bf16 stochastically
+
+
+@dataclass
+class FP8PrecisionConfig(PrecisionConfig):
+    backend: str = "emulated"  # emulated | torchao
+    recipe: str = "tensorwise"  # torchao: tensorwise | rowwise | rowwise_with_gw_hp
+    format: str = "e5m2"  # emulated: e5m2 (the paper's 1-5-2 everywhere) | hybrid (E4M3 fwd, E5M2 bwd)
+    master_weights: str = "fp16"  # emulated: fp16 (Mellempudi et al.) | fp32
+    stochastic_rounding: bool = True  # emulated: stochastic rounding of gradients and master weights
+    emulated_compute: str = "fp32"  # emulated: dtype the quantized values are multiplied in
+
+
+# --------------------------------------------------------------------------------------------
+# loss scaling
+
+
+@dataclass
+class LossScaleConfig:
+    """none | auto (dynamic for fp16 compute, none otherwise)."""
+
+    name: str = MISSING
+
+
+@dataclass
+class StaticLossScaleConfig(LossScaleConfig):
+    scale: float = 128.0
+
+
+@dataclass
+class DynamicLossScaleConfig(LossScaleConfig):
+    # Defaults are torch.amp.GradScaler's, and with them the trajectory equals GradScaler's.
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1  # overflows tolerated before backing off (DeepSpeed's delayed shift)
+    consecutive_hysteresis: bool = False  # refill the hysteresis budget after each clean step
+    min_scale: float | None = None  # floor; see on_min_scale
+    on_min_scale: str = "clamp"  # clamp | error (stop the run instead of collapsing silently)
+    max_scale: float | None = None  # cap (Apex uses 2**24)
+
+
+@dataclass
+class EnhancedLossScaleConfig(DynamicLossScaleConfig):
+    """Mellempudi et al.'s enhanced scaling: dynamic, with a floor that rises on a schedule."""
+
+    # The paper's exact schedule could not be checked; these are config, not constants.
+    min_scale_schedule: dict[str, float] = field(default_factory=lambda: {"0": 1.0})
+
+
+@dataclass
+class AdaptiveLossScaleConfig(LossScaleConfig):
+    """Zhao et al. 2019: per-layer scales from gradient and weight statistics."""
+
+    init_scale: float = 1.0  # scale applied to the loss itself before the per-layer scales
+    u_min: float = 2.0**-24  # smallest positive value of the half format
+    u_max: float = 65504.0  # largest value of the half format
+    n_uf: float = 1e-3  # tolerated underflow probability per layer
+    layer_cap: float = 16.0  # largest scale one layer may add
+    accum_cap: float = 1024.0  # largest cumulative scale
+    recompute_every: int = 1  # steps between recomputing the per-layer scales
+    power_of_two: bool = True
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer and schedule
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    lr: float = 0.1
+    weight_decay: float = 1e-4
+    no_decay_bn_bias: bool = True  # keep weight decay off batch-norm and bias parameters
+    impl: str = "auto"  # auto | fused | foreach | for_loop (auto: fused on CUDA)
+
+
+@dataclass
+class SGDConfig(OptimConfig):
+    momentum: float = 0.9
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig(OptimConfig):
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class SchedConfig:
+    name: str = MISSING  # constant | step | cosine
+    warmup_steps: int = 0  # linear warm-up from warmup_start_factor * lr
+    warmup_start_factor: float = 0.01
+    step_size: int = 30  # step: decay every step_size epochs...
+    step_unit: str = "epoch"  # ...or steps (epoch | step)
+    gamma: float = 0.1  # step: decay factor
+    min_lr_ratio: float = 0.0  # cosine: final lr / base lr
+
+
+# --------------------------------------------------------------------------------------------
+# trainer and the whole config
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int | None = None  # null: epochs * steps per epoch
+    epochs: int = 1
+    log_every: int = 10
+    eval_every: int | None = None  # steps between evaluations; null: at the end of each epoch
+    checkpoint_every: int | None = None  # steps between checkpoints; null: at the end only
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    resume: str | None = None  # null | auto | PATH (a checkpoint file or a run dir)
+    grad_clip: float | None = None  # max global norm, applied to unscaled gradients
+    grad_accum: int = 1  # micro-batches per optimizer step
+    channels_last: bool = False
+    compile: bool = False
+    compile_mode: str = "default"  # default | reduce-overhead | max-autotune
+    cudnn_benchmark: bool = True
+    max_nonfinite_steps: int = 50  # consecutive non-finite losses before the run is stopped
+    warmup_windows: int = 1  # logging windows left out of the throughput median
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: DataConfig = MISSING
+    precision: Any = MISSING
+    loss_scale: Any = MISSING
+    optim: Any = MISSING
+    sched: SchedConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run_name: str = "${model.name}-${precision.name}"
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"classifier": ClassifierModelConfig},
+    "precision": {"base": PrecisionConfig, "bf16_pure": BF16PureConfig, "fp8": FP8PrecisionConfig},
+    "loss_scale": {
+        "base": LossScaleConfig,
+        "static": StaticLossScaleConfig,
+        "dynamic": DynamicLossScaleConfig,
+        "enhanced": EnhancedLossScaleConfig,
+        "adaptive": AdaptiveLossScaleConfig,
+    },
+    "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "data": {"base": DataConfig},
+    "sched": {"base": SchedConfig},
+}
+
+
+def register_configs() -> None:
+    """Store the schemas so that YAML files can name them in their defaults lists."""
+    cs = ConfigStore.instance()
+    cs.store(name="mptrain_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+
+
+# --------------------------------------------------------------------------------------------
+# value checks
+
+PRECISIONS = ("fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8")
+LOSS_SCALES = ("none", "auto", "static", "dynamic", "enhanced", "adaptive")
+
+
+def _positive(value: float | None, key: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    check(
+        value is not None and math.isfinite(value) and value > 0,
+        f"{key}={value}: must be a number > 0",
+    )
+
+
+def _at_least(value: int | None, low: int, key: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    check(value is not None and value >= low, f"{key}={value}: must be an integer >= {low}")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], key: str) -> None:
+    check(value in allowed, f"{key}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check values that types alone cannot (ranges, choices, paths). Raises MptrainError.
+
+    Reads every group; run before any model, data or device work.
+    """
+    t = cfg.trainer
+    _at_least(t.max_steps, 1, "trainer.max_steps", allow_none=True)
+    _at_least(t.epochs, 1, "trainer.epochs")
+    _at_least(t.log_every, 1, "trainer.log_every")
+    _at_least(t.eval_every, 1, "trainer.eval_every", allow_none=True)
+    _at_least(t.checkpoint_every, 1, "trainer.checkpoint_every", allow_none=True)
+    _at_least(t.keep_checkpoints, 1, "trainer.keep_checkpoints")
+    _at_least(t.grad_accum, 1, "trainer.grad_accum")
+    _at_least(t.max_nonfinite_steps, 1, "trainer.max_nonfinite_steps")
+    _at_least(t.warmup_windows, 0, "trainer.warmup_windows")
+    _positive(t.grad_clip, "trainer.grad_clip", allow_none=True)
+    _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
+    _one_of(t.compile_mode, ("default", "reduce-overhead", "max-autotune"), "trainer.compile_mode")
+
+    d = cfg.data
+    _at_least(d.batch_size, 1, "data.batch_size")
+    _at_least(d.val_batch_size, 1, "data.val_batch_size", allow_none=True)
+    _at_least(d.num_workers, 0, "data.num_workers")
+    _at_least(d.image_size, 8, "data.image_size", allow_none=True)
+    _at_least(d.num_classes, 2, "data.num_classes", allow_none=True)
+    _at_least(d.train_samples, 1, "data.train_samples")
+    _at_least(d.val_samples, 1, "data.val_samples")
+    _at_least(d.max_val_batches, 1, "data.max_val_batches", allow_none=True)
+    check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
+    if d.root is not None and d.name in ("image_folder", "cifar10", "text_corpus"):
+        root = Path(d.root).expanduser()
+        check(root.is_dir(), f"data.root={d.root}: no such directory")
+        check(any(root.iterdir()), f"data.root={d.root}: the directory is empty")
+    elif d.name in ("image_folder", "cifar10", "text_corpus"):
+        raise MptrainError(f"data={d.name} needs data.root=PATH (the dataset directory)")
+
+    m = cfg.model
+    if m.get("task") == "classification":
+        _at_least(m.width_divisor, 1, "model.width_divisor")
+        _at_least(m.num_classes, 2, "model.num_classes", allow_none=True)
+        if d.image_size is not None:
+            check(
+                d.image_size >= m.min_image_size,
+                f"data.image_size={d.image_size}: model={m.name} needs at least {m.min_image_size} px",
+            )
+
+    o = cfg.optim
+    _positive(o.lr, "optim.lr")
+    check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
+    _one_of(o.impl, ("auto", "fused", "foreach", "for_loop"), "optim.impl")
+    if o.name == "sgd":
+        check(0 <= o.momentum < 1, f"optim.momentum={o.momentum}: must be in [0, 1)")
+        check(not o.nesterov or o.momentum > 0, "optim.nesterov=true needs optim.momentum > 0")
+    if o.name == "adamw":
+        check(
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+            f"optim.betas={list(o.betas)}: must be two numbers in [0, 1)",
+        )
+        _positive(o.eps, "optim.eps")
+
+    s = cfg.sched
+    _one_of(s.name, ("constant", "step", "cosine"), "sched.name")
+    _at_least(s.warmup_steps, 0, "sched.warmup_steps")
+    _positive(s.warmup_start_factor, "sched.warmup_start_factor")
+    _at_least(s.step_size, 1, "sched.step_size")
+    _one_of(s.step_unit, ("epoch", "step"), "sched.step_unit")
+    _positive(s.gamma, "sched.gamma")
+    check(0 <= s.min_lr_ratio <= 1, f"sched.min_lr_ratio={s.min_lr_ratio}: must be in [0, 1]")
+
+    p = cfg.precision
+    _one_of(p.name, PRECISIONS, "precision.name")
+    if p.name == "fp8":
+        _one_of(p.backend, ("emulated", "torchao"), "precision.backend")
+        _one_of(p.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "precision.recipe")
+        _one_of(p.format, ("e5m2", "hybrid"), "precision.format")
+        _one_of(p.master_weights, ("fp16", "fp32"), "precision.master_weights")
+        _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
+
+    ls = cfg.loss_scale
+    _one_of(ls.name, LOSS_SCALES, "loss_scale.name")
+    if ls.name == "static":
+        _positive(ls.scale, "loss_scale.scale")
+    if ls.name in ("dynamic", "enhanced"):
+        _positive(ls.init_scale, "loss_scale.init_scale")
+        check(ls.growth_factor > 1, f"loss_scale.growth_factor={ls.growth_factor}: must be > 1")
+        check(
+            0 < ls.backoff_factor < 1,
+            f"loss_scale.backoff_factor={ls.backoff_factor}: must be between 0 and 1",
+        )
+        _at_least(ls.growth_interval, 1, "loss_scale.growth_interval")
+        _at_least(ls.hysteresis, 1, "loss_scale.hysteresis")
+        _positive(ls.min_scale, "loss_scale.min_scale", allow_none=True)
+        _positive(ls.max_scale, "loss_scale.max_scale", allow_none=True)
+        _one_of(ls.on_min_scale, ("clamp", "error"), "loss_scale.on_min_scale")
+        if ls.min_scale is not None and ls.max_scale is not None:
+            check(
+                ls.min_scale <= ls.max_scale,
+                f"loss_scale.min_scale={ls.min_scale} is above loss_scale.max_scale={ls.max_scale}",
+            )
+    if ls.name == "enhanced":
+        for step, floor in ls.min_scale_schedule.items():
+            check(
+                str(step).isdigit(),
+                f"loss_scale.min_scale_schedule key {step!r}: must be a step number (>= 0)",
+            )
+            _positive(floor, f"loss_scale.min_scale_schedule[{step}]")
+    if ls.name == "adaptive":
+        _positive(ls.init_scale, "loss_scale.init_scale")
+        _positive(ls.u_min, "loss_scale.u_min")
+        _positive(ls.u_max, "loss_scale.u_max")
+        check(0 < ls.n_uf < 1, f"loss_scale.n_uf={ls.n_uf}: must be between 0 and 1")
+        check(ls.layer_cap >= 1, f"loss_scale.layer_cap={ls.layer_cap}: must be >= 1")
+        check(ls.accum_cap >= 1, f"loss_scale.accum_cap={ls.accum_cap}: must be >= 1")
+        _at_least(ls.recompute_every, 1, "loss_scale.recompute_every")

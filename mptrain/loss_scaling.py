@@ -1,0 +1,352 @@
+"""Loss scaling: one interface, one class per policy.
+
+Micikevicius et al. 2017: multiply the loss by S before backward so that small gradients survive
+FP16 (smallest subnormal 2^-24), divide the weight gradients by S in FP32 before clipping and the
+update, and skip the update when any gradient overflowed. The engine drives every policy through
+the same five calls, FP32 included (with ``NoScaler``)::
+
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)      # gradients are true values from here on (clip now)
+    scaler.step(optimizer)          # skipped when a gradient is Inf/NaN
+    scaler.update()                 # the policy's state machine
+    scaler.scale_value, scaler.found_inf   # device scalars, logged without a host sync
+
+Scaling, unscaling, the Inf/NaN check and step-or-skip come from torch.amp.GradScaler: its fused
+kernels check and unscale every gradient in one pass, and with fused optimizers the skip happens on
+the device. What GradScaler cannot do, we write by hand in ``update``: hysteresis, floors, caps,
+rising floors and per-layer scales.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from mptrain.errors import DivergedError, MptrainError
+
+
+class LossScaler(ABC):
+    """The interface every policy implements. ``policy`` names it in logs and summary.json."""
+
+    policy: str = "base"
+
+    def attach(self, module: nn.Module) -> nn.Module:
+        """Called once with the module whose loss this scaler scales; returns the module to train.
+
+        Per-layer policies (``adaptive``) install their backward hooks or rewrite the module here.
+        """
+        return module
+
+    @abstractmethod
+    def scale(self, loss: Tensor) -> Tensor: ...
+
+    @abstractmethod
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    @abstractmethod
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    @abstractmethod
+    def update(self) -> None: ...
+
+    @property
+    @abstractmethod
+    def scale_value(self) -> Tensor:
+        """The current (loss-level) scale as a device scalar."""
+
+    @property
+    @abstractmethod
+    def found_inf(self) -> Tensor:
+        """1.0 if the last step was skipped for Inf/NaN gradients, else 0.0 (device scalar)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def summary(self) -> dict[str, Any]:
+        """Final state for summary.json (may sync; called once at the end)."""
+        return {"policy": self.policy, "scale": float(self.scale_value)}
+
+    def telemetry(self) -> dict[str, Tensor]:
+        """Extra per-step device scalars/vectors to log (per-layer scales for ``adaptive``)."""
+        return {}
+
+
+class NoScaler(LossScaler):
+    """No scaling and no Inf/NaN check: the plain FP32 (or bf16) path, with nothing hidden."""
+
+    policy = "none"
+
+    def __init__(self, device: torch.device) -> None:
+        self._one = torch.ones((), device=device)
+        self._zero = torch.zeros((), device=device)
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def update(self) -> None:
+        pass
+
+    @property
+    def scale_value(self) -> Tensor:
+        return self._one
+
+    @property
+    def found_inf(self) -> Tensor:
+        return self._zero
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_policy(self.policy, state)
+
+
+def _check_policy(expected: str, state: dict[str, Any]) -> None:
+    found = state.get("policy")
+    if found != expected:
+        raise MptrainError(
+            f"checkpoint has loss_scale={found!r} state but this run uses loss_scale={expected!r}"
+        )
+
+
+class _GradScalerBase(LossScaler):
+    """Scale/unscale/check/step through torch.amp.GradScaler; ``update`` is the policy's own.
+
+    GradScaler's own growth logic is never used: we feed it the new scale through
+    ``update(new_scale=...)``, a device-to-device copy with no host sync.
+    """
+
+    def __init__(self, device: torch.device, init_scale: float) -> None:
+        self.device = device
+        self._scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
+        self._scale = torch.full((), float(init_scale), device=device)
+        self._found_inf = torch.zeros((), device=device)
+
+    def scale(self, loss: Tensor) -> Tensor:
+        return self._scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._scaler.unscale_(optimizer)
+        # GradScaler keeps the per-device Inf/NaN flags it just computed; sum them on the device.
+        flags = self._scaler._found_inf_per_device(optimizer)
+        self._found_inf = torch.stack([f.to(self.device) for f in flags.values()]).sum().clamp_(max=1.0)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Fused optimizers skip on the device; others cost one host sync here (GradScaler's choice).
+        self._scaler.step(optimizer)
+
+    def update(self) -> None:
+        self._update_scale(self._found_inf)
+        self._scaler.update(new_scale=self._scale)
+
+    def _update_scale(self, found_inf: Tensor) -> None:
+        """Change ``self._scale`` in place from this step's overflow flag (device ops only)."""
+
+    @property
+    def scale_value(self) -> Tensor:
+        return self._scale
+
+    @property
+    def found_inf(self) -> Tensor:
+        return self._found_inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "scale": self._scale.item()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_policy(self.policy, state)
+        self._scale.fill_(state["scale"])
+        # A fresh GradScaler starts from the restored scale (its own state is per-step only).
+        self._scaler = torch.amp.GradScaler(self.device.type, init_scale=state["scale"])
+
+
+class StaticScaler(_GradScalerBase):
+    """A constant scale S; steps with Inf/NaN gradients are skipped and S stays the same."""
+
+    policy = "static"
+
+    def __init__(self, device: torch.device, scale: float) -> None:
+        super().__init__(device, scale)
+
+
+class DynamicScaler(_GradScalerBase):
+    """GradScaler's dynamic policy, plus what it lacks.
+
+    On overflow: skip the step; spend one unit of hysteresis, and once it is spent multiply the
+    scale by ``backoff_factor``. After ``growth_interval`` consecutive clean steps multiply it by
+    ``growth_factor``. With hysteresis=1 and no floor or cap this is exactly torch's
+    ``_amp_update_scale_`` (tests/test_loss_scaling.py checks the trajectories match). Written by
+    hand because GradScaler has no hysteresis, floor or cap.
+    """
+
+    policy = "dynamic"
+
+    def __init__(
+        self,
+        device: torch.device,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = False,
+        min_scale: float | None = None,
+        on_min_scale: str = "clamp",
+        max_scale: float | None = None,
+    ) -> None:
+        super().__init__(device, init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.min_scale = min_scale
+        self.on_min_scale = on_min_scale
+        self.max_scale = max_scale
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((), hysteresis, dtype=torch.int32, device=device)
+        # Set when the floor was hit with on_min_scale=error; checked on logging steps (no sync here).
+        self._hit_floor = torch.zeros((), dtype=torch.bool, device=device)
+
+    def current_floor(self) -> float | None:
+        return self.min_scale
+
+    def _update_scale(self, found_inf: Tensor) -> None:
+        overflow = found_inf > 0
+        hysteresis_spent = self._hysteresis_left <= 1
+        back_off = overflow & hysteresis_spent
+        # Hysteresis: an overflow first uses up budget; the budget refills when the scale backs
+        # off, and after every clean step if consecutive_hysteresis.
+        refill = back_off | (~overflow & self.consecutive_hysteresis)
+        self._hysteresis_left.copy_(
+            torch.where(
+                refill,
+                torch.full_like(self._hysteresis_left, self.hysteresis),
+                torch.where(overflow, self._hysteresis_left - 1, self._hysteresis_left),
+            )
+        )
+        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        new_scale = torch.where(
+            back_off,
+            self._scale * self.backoff_factor,
+            torch.where(grow, self._scale * self.growth_factor, self._scale),
+        )
+        # torch refuses to grow into Inf; keep that.
+        new_scale = torch.where(torch.isfinite(new_scale), new_scale, self._scale)
+        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
+        floor = self.current_floor()
+        if floor is not None:
+            self._hit_floor |= new_scale < floor
+            new_scale = new_scale.clamp(min=floor)
+        if self.max_scale is not None:
+            new_scale = new_scale.clamp(max=self.max_scale)
+        self._scale.copy_(new_scale)
+
+    def check(self) -> None:
+        """Raise if the scale hit its floor with on_min_scale=error. Syncs: call on logging steps."""
+        if self.on_min_scale == "error" and bool(self._hit_floor):
+            raise DivergedError(
+                f"loss scale fell to loss_scale.min_scale={self.current_floor()} "
+                "(on_min_scale=error): gradients keep overflowing"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            **super().state_dict(),
+            "growth_tracker": int(self._growth_tracker),
+            "hysteresis_left": int(self._hysteresis_left),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._growth_tracker.fill_(state["growth_tracker"])
+        self._hysteresis_left.fill_(state["hysteresis_left"])
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "growth_tracker": int(self._growth_tracker)}
+
+
+class EnhancedScaler(DynamicScaler):
+    """Mellempudi et al. 2019's enhanced loss scaling for FP8.
+
+    Dynamic scaling whose minimum-scale floor rises during training, following
+    ``min_scale_schedule`` ({step: floor}, the last entry at or before the current step applies),
+    so that occasional spurious overflows cannot drive the scale down into the range where FP8's
+    small subnormal range (E5M2: 2^-16) loses gradients.
+    """
+
+    policy = "enhanced"
+
+    def __init__(self, device: torch.device, min_scale_schedule: dict[int, float], **kwargs: Any) -> None:
+        kwargs["on_min_scale"] = "clamp"
+        super().__init__(device, **kwargs)
+        self.schedule = sorted((int(k), float(v)) for k, v in min_scale_schedule.items())
+        self.steps_done = 0
+
+    def current_floor(self) -> float | None:
+        floor = self.min_scale
+        for step, value in self.schedule:
+            if step <= self.steps_done:
+                floor = value if floor is None else max(floor, value)
+        return floor
+
+    def update(self) -> None:
+        super().update()
+        self.steps_done += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "steps_done": self.steps_done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.steps_done = int(state["steps_done"])
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "min_scale": self.current_floor()}
+
+
+def resolve_policy(loss_scale: str, precision_resolved: str, fp8_backend: str | None = None) -> str:
+    """``auto`` picks the policy a precision needs: dynamic for FP16 compute, enhanced for emulated
+    FP8, none for fp32/tf32/bf16 (bf16 has FP32's exponent range)."""
+    if loss_scale != "auto":
+        return loss_scale
+    if precision_resolved in ("amp_fp16", "fp16_master"):
+        return "dynamic"
+    if precision_resolved == "fp8" and fp8_backend == "emulated":
+        return "enhanced"
+    return "none"
+
+
+def build_scaler(cfg: DictConfig, policy: str, device: torch.device) -> LossScaler:
+    """Make the scaler for one loss. Reads ``loss_scale.*`` (policy already resolved from auto)."""
+    params = {k: v for k, v in cfg.items() if k != "name"}
+    if policy == "none":
+        return NoScaler(device)
+    if policy == "static":
+        return StaticScaler(device, scale=float(cfg.get("scale", 128.0)))
+    if policy == "dynamic":
+        return DynamicScaler(device, **params) if cfg.name == "dynamic" else DynamicScaler(device)
+    if policy == "enhanced":
+        if cfg.name != "enhanced":  # auto on fp8: the enhanced defaults
+            return EnhancedScaler(device, min_scale_schedule={0: 1.0})
+        schedule = params.pop("min_scale_schedule")
+        return EnhancedScaler(device, min_scale_schedule=dict(schedule), **params)
+    if policy == "adaptive":
+        from mptrain.adaptive_scaling import AdaptiveScaler
+
+        return AdaptiveScaler(device, **params)
+    raise MptrainError(f"loss_scale={policy!r}: unknown policy")

@@ -1,0 +1,263 @@
+"""Precision: the one object that says how numbers are stored and computed in a run.
+
+Every mode goes through the same engine path; this object supplies the differences:
+
+- ``autocast()``: the context the forward pass and loss run in (FP16/BF16 per op, FP32 for
+  reductions such as softmax and batch-norm statistics, as torch.autocast's op lists decide);
+- ``prepare_model()``: storage casts (fp16_master: FP16 weights except batch norm; bf16_pure:
+  everything bf16) and FP8 conversion;
+- ``optimizer_params()`` / ``before_unscale()`` / ``after_step()``: master weights. The optimizer
+  updates an FP32 copy (Micikevicius et al. 2017), because an FP16 weight w does not move under an
+  update smaller than half an ulp (about |w| * 2^-11).
+
+Modes (``precision.name``): fp32 (TF32 off: a true baseline), tf32, amp_fp16, amp_bf16, mixed
+(amp_fp16 on CUDA, amp_bf16 on CPU), fp16_master, bf16_pure, fp8.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import Tensor, nn
+
+from mptrain.errors import MptrainError
+
+log = logging.getLogger(__name__)
+
+_NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
+
+
+def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Round FP32 ``x`` to bf16, up or down with probability given by the distance (unbiased).
+
+    bf16 is the top 16 bits of FP32, so adding a uniform random 16-bit integer to the bit
+    pattern and truncating rounds up exactly with probability (x - down) / ulp.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
+    rounded = (bits + noise) & -65536  # clear the low 16 bits (0xFFFF0000 as int32)
+    out = rounded.view(torch.float32)
+    # Inf/NaN must not be perturbed into other bit patterns.
+    return torch.where(torch.isfinite(x), out, x.float()).to(torch.bfloat16)
+
+
+class MasterWeights:
+    """An FP32 master copy of low-precision parameters, which the optimizer updates.
+
+    ``before_unscale`` copies gradients to FP32 (GradScaler refuses FP16 gradients, and unscaling in
+    FP32 avoids a second rounding); ``after_step`` writes the masters back into the model's storage
+    dtype, optionally with stochastic rounding. With ``refresh=True`` (bf16_pure) the masters are
+    re-read from the model before every step, so no FP32 information survives between steps: the
+    numerics of pure-bf16 training with a stochastically rounded update.
+    """
+
+    def __init__(self, params: list[nn.Parameter], stochastic_rounding: bool = False, refresh: bool = False):
+        self.model_params = [p for p in params if p.dtype != torch.float32]
+        self.masters = [p.detach().float().clone().requires_grad_(p.requires_grad) for p in self.model_params]
+        self._by_id = {id(p): m for p, m in zip(self.model_params, self.masters, strict=True)}
+        self.stochastic_rounding = stochastic_rounding
+        self.refresh = refresh
+
+    def swap(self, p: nn.Parameter) -> nn.Parameter:
+        """The tensor the optimizer should own in place of model parameter p."""
+        return self._by_id.get(id(p), p)
+
+    @torch.no_grad()
+    def before_unscale(self) -> None:
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if self.refresh:
+                m.copy_(p)
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        for p, m in zip(self.model_params, self.masters, strict=True):
+            if self.stochastic_rounding and p.dtype == torch.bfloat16:
+                p.copy_(stochastic_round_to_bf16(m))
+            elif self.stochastic_rounding and p.dtype == torch.float16:
+                from mptrain.fp8 import stochastic_round
+
+                p.copy_(stochastic_round(m, torch.float16))
+            else:
+                p.copy_(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"masters": [m.detach() for m in self.masters]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for m, saved in zip(self.masters, state["masters"], strict=True):
+            m.data.copy_(saved)
+
+
+@dataclass
+class Precision:
+    """How a run stores and computes numbers. Built by ``build_precision``; reads ``precision.*``."""
+
+    requested: str  # the configured mode, e.g. "mixed"
+    resolved: str  # what runs on this device, e.g. "amp_bf16" for mixed on CPU
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype = torch.float32  # storage dtype of weights (batch norm stays FP32)
+    allow_tf32: bool = False
+    fp8: str | None = None  # "torchao" (real FP8 kernels) | "emulated" | None
+    note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
+    options: dict[str, Any] = field(default_factory=dict)
+    master: MasterWeights | None = None
+    fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The low-precision type gradients live in, for telemetry and underflow checks."""
+        if self.autocast_dtype is not None:
+            return self.autocast_dtype
+        return None if self.param_dtype == torch.float32 else self.param_dtype
+
+    def configure_backends(self) -> None:
+        """TF32 on or off (global torch flags): off is what makes fp32 a true FP32 baseline."""
+        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Cast storage and convert layers for this mode. Call before building the optimizer."""
+        if self.param_dtype != torch.float32:
+            model.to(self.param_dtype)
+            if self.resolved == "fp16_master":
+                # Batch norm keeps FP32 weights and statistics: its reductions need the range.
+                for module in model.modules():
+                    if isinstance(module, _NORM_TYPES):
+                        module.float()
+        if self.fp8 is not None:
+            from mptrain import fp8
+
+            model = fp8.convert_model(model, self)
+        return model
+
+    def optimizer_params(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Param groups for the optimizer: master copies in place of low-precision parameters."""
+        if self.param_dtype == torch.float32:
+            return groups
+        params = [p for g in groups for p in g["params"]]
+        self.master = MasterWeights(
+            params,
+            stochastic_rounding=bool(self.options.get("stochastic_rounding", False)),
+            refresh=self.resolved == "bf16_pure",
+        )
+        return [{**g, "params": [self.master.swap(p) for p in g["params"]]} for g in groups]
+
+    def before_unscale(self) -> None:
+        if self.master is not None:
+            self.master.before_unscale()
+
+    def after_step(self) -> None:
+        if self.master is not None:
+            self.master.after_step()
+        if self.fp8 == "emulated":
+            from mptrain import fp8
+
+            fp8.after_step(self)
+
+    def input_cast(self, x: Tensor) -> Tensor:
+        """Inputs follow the weights' dtype when the model itself is stored in low precision."""
+        if self.autocast_dtype is None and x.is_floating_point() and self.param_dtype != torch.float32:
+            return x.to(self.param_dtype)
+        return x
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "requested": self.requested,
+            "resolved": self.resolved,
+            "autocast_dtype": str(self.autocast_dtype).replace("torch.", "") if self.autocast_dtype else None,
+            "param_dtype": str(self.param_dtype).replace("torch.", ""),
+            "allow_tf32": self.allow_tf32,
+            "fp8": self.fp8,
+            "note": self.note,
+        }
+
+    def iter_low_precision_params(self, model: nn.Module) -> Iterator[nn.Parameter]:
+        return (p for p in model.parameters() if p.dtype != torch.float32)
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+
+
+def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
+    """Resolve ``precision.name`` for ``device`` and check that the device can run it.
+
+    Reads ``precision.name`` and, for bf16_pure/fp8, their options. Impossible combinations
+    (bf16 on a GPU without bf16, torchao FP8 off CUDA or below sm89) raise MptrainError.
+    """
+    name = cfg.name
+    options = {k: v for k, v in cfg.items() if k != "name"}
+    cuda = device.type == "cuda"
+    p = Precision(requested=name, resolved=name, device=device, options=options)
+    if name == "fp32":
+        pass
+    elif name == "tf32":
+        p.allow_tf32 = True
+        if not cuda:
+            p.note = "tf32 affects CUDA matmuls only; on CPU it is plain FP32"
+    elif name == "amp_fp16":
+        p.autocast_dtype = torch.float16
+        if not cuda:
+            p.note = "FP16 autocast on CPU is emulated and slow; use it for numerics, not speed"
+    elif name == "amp_bf16":
+        p.autocast_dtype = torch.bfloat16
+    elif name == "mixed":
+        if cuda:
+            p.resolved, p.autocast_dtype = "amp_fp16", torch.float16
+            p.note = "mixed = FP16 autocast + FP32 master weights + dynamic loss scaling (CUDA)"
+        else:
+            p.resolved, p.autocast_dtype = "amp_bf16", torch.bfloat16
+            p.note = "mixed resolved to amp_bf16 on CPU: FP16 arithmetic is emulated and very slow there"
+    elif name == "fp16_master":
+        p.param_dtype = torch.float16
+    elif name == "bf16_pure":
+        p.param_dtype = torch.bfloat16
+    elif name == "fp8":
+        backend = options.get("backend", "emulated")
+        p.fp8 = backend
+        if backend == "torchao":
+            _check_torchao(device)
+            p.autocast_dtype = torch.bfloat16  # non-Linear ops run in bf16 around the FP8 matmuls
+        elif options.get("master_weights", "fp16") == "fp16":
+            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP16 master weights"
+        else:
+            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP32 master weights"
+    else:
+        raise MptrainError(f"precision={name!r}: unknown mode")
+
+    for dtype in (p.autocast_dtype, p.param_dtype):
+        if dtype == torch.bfloat16 and not _bf16_supported(device):
+            raise MptrainError(
+                f"precision={name}: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; "
+                "use amp_fp16, mixed or fp32"
+            )
+    return p
+
+
+def _check_torchao(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise MptrainError("precision=fp8 precision.backend=torchao needs a CUDA GPU; use backend=emulated")
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise MptrainError(
+            f"precision.backend=torchao needs a GPU of compute capability 8.9+ (Ada/Hopper); "
+            f"this one is sm{major}{minor}: use backend=emulated"
+        )
+    try:
+        import torchao  # noqa: F401
+    except ImportError as exc:
+        raise MptrainError("precision.backend=torchao needs the torchao package: pip install torchao") from exc
