@@ -1,0 +1,312 @@
+"""Image files through torchvision datasets and a DataLoader: ImageNet-layout folders and CIFAR-10."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torchvision import datasets
+from torchvision import transforms as T
+
+from mptrain.data.base import Batch, EpochOrder, ImageData, check_start, check_steps, mix_seed, val_shard
+from mptrain.errors import MptrainError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# Per-channel statistics of the 50,000 CIFAR-10 training images (the often-copied 0.2023, 0.1994,
+# 0.2010 are not the std).
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+CENTER_CROP_FRACTION = 0.875  # the standard ImageNet evaluation: resize to size/0.875, crop size
+
+_AUGMENT_STREAM = 3  # tag mixed into per-sample augmentation seeds
+
+
+class _SeededItems(Dataset[Any]):
+    """Looks up ``(epoch, index)`` keys, with torch's RNG seeded from ``(seed, epoch, index)``.
+
+    torchvision's random transforms draw from the global torch RNG, whose state in DataLoader workers
+    depends on the worker count and on which worker gets which batch. Seeding per sample makes an
+    augmented image a function of (seed, epoch, index) alone: a resumed run, or one with another
+    ``data.num_workers``, sees the very same crops and flips. ``fork_rng`` restores the caller's
+    CPU RNG afterwards, which matters when num_workers=0 and this runs in the training process.
+    """
+
+    def __init__(self, base: Dataset[Any], seed: int) -> None:
+        self.base = base
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.base)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):
+            # Only the CPU generator (what the transforms draw from): torch.manual_seed would also
+            # reseed CUDA's generators in the training process when num_workers=0.
+            torch.default_generator.manual_seed(mix_seed(self.seed, _AUGMENT_STREAM, epoch, index))
+            return self.base[index]
+
+
+class _EpochBatchSampler:
+    """The DataLoader's batch sampler: yields this rank's batches of ``(epoch, index)`` keys.
+
+    One sampler (and one DataLoader) serves every epoch, so persistent workers survive between
+    epochs; ``set`` picks the epoch and the first batch before each ``iter(loader)``.
+    """
+
+    def __init__(self, order: EpochOrder) -> None:
+        self.order = order
+        self.epoch = 0
+        self.start = 0
+
+    def set(self, epoch: int, start: int) -> None:
+        check_start(start, self.order.steps)
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch, start = self.epoch, self.start  # snapshot now: the generator body runs later
+        # Only the index lists of skipped batches are computed; their images are never loaded.
+        return ([(epoch, i) for i in idx.tolist()] for idx in self.order.batches(epoch, start))
+
+    def __len__(self) -> int:
+        return self.order.steps - self.start
+
+
+class LoaderData(ImageData):
+    """Map-style datasets of ``(image tensor, label)`` behind DataLoaders.
+
+    Reads ``data.``: batch_size, val_batch_size, num_workers, pin_memory (CUDA only),
+    prefetch_factor (only with workers), max_val_batches.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        train_set: Dataset[Any],
+        val_set: Dataset[Any],
+        num_classes: int,
+        cfg: Any,
+        image_size: int,
+        device: torch.device,
+        seed: int,
+        channels_last: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+        info: dict[str, Any] | None = None,
+    ) -> None:
+        self.name = name
+        self.num_classes = num_classes
+        self.image_size = image_size
+        self.train_size = len(train_set)  # type: ignore[arg-type]
+        self.val_size = len(val_set)  # type: ignore[arg-type]
+        self.device = device
+        self.memory_format = torch.channels_last if channels_last else torch.preserve_format
+        self.info = info or {}
+        batch_size = int(cfg.batch_size)
+        val_batch_size = int(cfg.val_batch_size or batch_size)
+
+        order = EpochOrder(self.train_size, batch_size, seed, rank, world_size)
+        check_steps(batch_size, order.per_rank, f"{name} training images", world_size)
+        self._order = order
+        self._sampler = _EpochBatchSampler(order)
+
+        # Pinned host batches make the copies below truly asynchronous; pinning is pointless on CPU.
+        self._non_blocking = device.type == "cuda" and bool(cfg.pin_memory)
+        workers = int(cfg.num_workers)
+        # A private generator: each iter(loader) draws the workers' base seed from it, not from the
+        # global RNG (which would shift the model's dropout and init draws with the data settings).
+        kw: dict[str, Any] = {
+            "num_workers": workers,
+            "pin_memory": self._non_blocking,
+            "generator": torch.Generator().manual_seed(seed),
+        }
+        if workers > 0:
+            # Workers survive between epochs (and evaluations) instead of being re-forked each time.
+            kw.update(persistent_workers=True, prefetch_factor=int(cfg.prefetch_factor))
+        self._train_loader = DataLoader(_SeededItems(train_set, seed), batch_sampler=self._sampler, **kw)
+        val_index = [
+            idx.tolist()
+            for idx in val_shard(self.val_size, val_batch_size, rank, world_size, cfg.max_val_batches)
+        ]
+        self._val_loader = DataLoader(val_set, batch_sampler=val_index, **kw)
+
+    def steps_per_epoch(self) -> int:
+        return self._order.steps
+
+    def _to_device(self, it: Iterator[Sequence[Tensor]]) -> Iterator[Batch]:
+        for images, labels in it:
+            yield (
+                images.to(self.device, non_blocking=self._non_blocking, memory_format=self.memory_format),
+                labels.to(self.device, non_blocking=self._non_blocking),
+            )
+
+    def train_batches(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        self._sampler.set(epoch, start)
+        return self._to_device(iter(self._train_loader))
+
+    def val_batches(self) -> Iterator[Batch]:
+        return self._to_device(iter(self._val_loader))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), **self.info}
+
+
+# --------------------------------------------------------------------------------------------
+# image_folder
+
+
+def _names(items: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" (and {len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _class_folders(split_dir: Path, root: str, split: str) -> list[str]:
+    if not split_dir.is_dir():
+        raise MptrainError(
+            f"data.root={root}: no {split}/ folder (expected ImageNet layout root/{split}/<class>/*.jpg)"
+        )
+    classes = sorted(p.name for p in split_dir.iterdir() if p.is_dir())
+    if not classes:
+        raise MptrainError(
+            f"data.root={root}: {split}/ has no class folders (expected root/{split}/<class>/*.jpg)"
+        )
+    return classes
+
+
+def _check_no_empty_class(ds: datasets.ImageFolder, root: str, split: str) -> None:
+    counts = torch.bincount(torch.tensor(ds.targets, dtype=torch.long), minlength=len(ds.classes))
+    empty = [f"{split}/{ds.classes[i]}" for i in torch.nonzero(counts == 0).flatten().tolist()]
+    if empty:
+        exts = ", ".join(datasets.folder.IMG_EXTENSIONS)
+        raise MptrainError(f"data.root={root}: no images in class folder {_names(empty)} (allowed: {exts})")
+
+
+def image_folder_transforms(image_size: int, augment: bool) -> tuple[T.Compose, T.Compose]:
+    """``(train, val)`` transforms: RandomResizedCrop + flip, or resize + center crop."""
+    finish = [T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    center = [T.Resize(int(image_size / CENTER_CROP_FRACTION)), T.CenterCrop(image_size)]
+    train = [T.RandomResizedCrop(image_size), T.RandomHorizontalFlip()] if augment else center
+    return T.Compose(train + finish), T.Compose(center + finish)
+
+
+def build_image_folder(cfg: Any, **kw: Any) -> LoaderData:
+    """ImageNet layout ``root/{train,val}/<class>/*``; both splits must have the same classes.
+
+    Reads ``data.``: root, augment, num_classes (null, or must match the class folders), and the
+    DataLoader keys (see LoaderData).
+    """
+    root = Path(str(cfg.root)).expanduser()
+    train_classes = _class_folders(root / "train", cfg.root, "train")
+    val_classes = _class_folders(root / "val", cfg.root, "val")
+    if train_classes != val_classes:
+        only_train = [c for c in train_classes if c not in set(val_classes)]
+        only_val = [c for c in val_classes if c not in set(train_classes)]
+        raise MptrainError(
+            f"data.root={cfg.root}: train/ and val/ class folders differ "
+            f"(only in train: {_names(only_train) or '-'}; only in val: {_names(only_val) or '-'})"
+        )
+    _check_num_classes(cfg, len(train_classes), "image_folder")
+    train_tf, val_tf = image_folder_transforms(kw["image_size"], bool(cfg.augment))
+    # allow_empty: an empty class folder gets our one-line error below instead of torchvision's.
+    train_set = datasets.ImageFolder(str(root / "train"), transform=train_tf, allow_empty=True)
+    val_set = datasets.ImageFolder(str(root / "val"), transform=val_tf, allow_empty=True)
+    _check_no_empty_class(train_set, cfg.root, "train")
+    _check_no_empty_class(val_set, cfg.root, "val")
+    return LoaderData(
+        name="image_folder",
+        train_set=train_set,
+        val_set=val_set,
+        num_classes=len(train_classes),
+        cfg=cfg,
+        info={"root": str(root)},
+        **kw,
+    )
+
+
+def _check_num_classes(cfg: Any, found: int, name: str) -> None:
+    if cfg.num_classes is not None and cfg.num_classes != found:
+        raise MptrainError(
+            f"data.num_classes={cfg.num_classes}: data={name} at {cfg.root} has {found} classes "
+            "(leave data.num_classes null)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# cifar10
+
+CIFAR_BATCHES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+
+
+class LocalCIFAR10(datasets.CIFAR10):
+    """torchvision's CIFAR10 with the md5 check replaced by an existence check.
+
+    torchvision compares each file with the md5 sum of the official download, so any other valid
+    copy in the same format (re-exported, subsetted, or written by the tests) is refused as
+    "corrupted". mptrain never downloads, and a malformed file still fails while unpickling.
+    """
+
+    # _load_meta calls check_integrity(path, md5); with md5=None that is only "the file exists".
+    meta: ClassVar[dict[str, str | None]] = {**datasets.CIFAR10.meta, "md5": None}
+
+    def _check_integrity(self) -> bool:
+        folder = Path(self.root, self.base_folder)
+        return all((folder / name).is_file() for name, _ in self.train_list + self.test_list)
+
+
+def cifar_transforms(image_size: int, augment: bool) -> tuple[T.Compose, T.Compose]:
+    """``(train, val)``: pad-4 random crop + flip when augmenting, resize when not 32 px, normalise."""
+    resize = [T.Resize(image_size)] if image_size != 32 else []
+    finish = [T.ToTensor(), T.Normalize(CIFAR_MEAN, CIFAR_STD)]
+    aug = [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()] if augment else []
+    return T.Compose(aug + resize + finish), T.Compose(resize + finish)
+
+
+def build_cifar10(cfg: Any, **kw: Any) -> LoaderData:
+    """CIFAR-10 in its original python format under ``root/cifar-10-batches-py``; test_batch is val.
+
+    Reads ``data.``: root, augment, num_classes (null or 10), and the DataLoader keys (see LoaderData).
+    """
+    root = Path(str(cfg.root)).expanduser()
+    folder = root / LocalCIFAR10.base_folder
+    missing = [n for n in [*CIFAR_BATCHES, "batches.meta"] if not (folder / n).is_file()]
+    if not folder.is_dir() or all(n in missing for n in CIFAR_BATCHES):
+        raise MptrainError(
+            f"data.root={cfg.root}: no CIFAR-10 batches found "
+            "(expected cifar-10-batches-py/ with data_batch_1..5 and test_batch)"
+        )
+    if missing:
+        raise MptrainError(
+            f"data.root={cfg.root}: cifar-10-batches-py/ lacks {', '.join(missing)} "
+            "(expected data_batch_1..5, test_batch and batches.meta)"
+        )
+    train_tf, val_tf = cifar_transforms(kw["image_size"], bool(cfg.augment))
+    try:
+        train_set = LocalCIFAR10(str(root), train=True, transform=train_tf, download=False)
+        val_set = LocalCIFAR10(str(root), train=False, transform=val_tf, download=False)
+    except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, UnicodeDecodeError) as e:
+        detail = " ".join(f"{type(e).__name__}: {e}".split())  # keep the message on one line
+        raise MptrainError(f"data.root={cfg.root}: cannot read the CIFAR-10 batches ({detail})") from e
+    num_classes = len(train_set.classes)
+    labels = train_set.targets + val_set.targets
+    if labels and not 0 <= min(labels) <= max(labels) < num_classes:
+        raise MptrainError(
+            f"data.root={cfg.root}: CIFAR-10 labels span {min(labels)}..{max(labels)} but batches.meta "
+            f"names {num_classes} classes"
+        )
+    _check_num_classes(cfg, num_classes, "cifar10")
+    return LoaderData(
+        name="cifar10",
+        train_set=train_set,
+        val_set=val_set,
+        num_classes=num_classes,
+        cfg=cfg,
+        info={"root": str(root)},
+        **kw,
+    )
