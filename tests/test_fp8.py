@@ -1,0 +1,437 @@
+"""FP8 numerics (checked against torch's native float8 casts) and emulated FP8 training."""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch import nn
+
+from mptrain import fp8
+from mptrain.errors import MptrainError
+from mptrain.fp8 import E4M3, E5M2, FP16, Fp8Format, quantize, quantize_scaled, stochastic_round, tensor_scale
+from mptrain.precision import Precision, build_precision
+
+FP8_FORMATS = [E5M2, E4M3]
+ALL_FORMATS = [E5M2, E4M3, FP16]
+
+
+def make_precision(**overrides: object) -> Precision:
+    cfg = {
+        "name": "fp8",
+        "backend": "emulated",
+        "format": "e5m2",
+        "master_weights": "fp16",
+        "stochastic_rounding": True,
+        "recipe": "tensorwise",
+        "emulated_compute": "fp32",
+        **overrides,
+    }
+    return build_precision(OmegaConf.create(cfg), torch.device("cpu"))
+
+
+def grid(fmt: Fp8Format) -> torch.Tensor:
+    """Every finite value of the format, sorted, from all its bit patterns."""
+    bits = 8 if fmt.dtype.itemsize == 1 else 16
+    ints = torch.arange(2**bits, dtype=torch.int32).to(torch.uint8 if bits == 8 else torch.int16)
+    values = ints.view(fmt.dtype).float()
+    return torch.unique(values[torch.isfinite(values)])  # unique also merges -0 and +0
+
+
+def representable(x: torch.Tensor, fmt: Fp8Format) -> bool:
+    return torch.equal(x.to(fmt.dtype).float(), x.float())
+
+
+def wide_range(fmt: Fp8Format, n: int, gen: torch.Generator) -> torch.Tensor:
+    """Random signed values log-uniform from below half the smallest subnormal up to max."""
+    lo, hi = math.log2(fmt.min_subnormal) - 2, math.log2(fmt.max)
+    e = lo + (hi - lo) * torch.rand(n, generator=gen)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    return (sign * torch.exp2(e)).clamp(-fmt.max, fmt.max)
+
+
+# --------------------------------------------------------------------------------------------
+# round to nearest
+
+
+def test_format_constants() -> None:
+    assert (E5M2.max, E5M2.min_normal, E5M2.min_subnormal) == (57344.0, 2.0**-14, 2.0**-16)
+    assert (E4M3.max, E4M3.min_normal, E4M3.min_subnormal) == (448.0, 2.0**-6, 2.0**-9)
+    for fmt in ALL_FORMATS:
+        g = grid(fmt)
+        assert g.max().item() == fmt.max
+        assert g[g > 0].min().item() == fmt.min_subnormal
+    assert fp8.as_format(torch.float16) is FP16 and fp8.as_format(torch.float8_e4m3fn) is E4M3
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+def test_quantize_matches_native_cast(fmt: Fp8Format) -> None:
+    gen = torch.Generator().manual_seed(0)
+    g = grid(fmt)
+    midpoints = (g[1:] + g[:-1]) / 2  # ties: round-half-to-even must agree too
+    x = torch.cat([wide_range(fmt, 200_000, gen), g, midpoints, torch.tensor([0.0, -0.0])])
+    q = quantize(x, fmt)
+    assert torch.equal(q, x.to(fmt.dtype).float())
+    assert representable(q, fmt)
+    assert q.dtype == x.dtype
+    # subnormals are really exercised
+    assert ((q.abs() > 0) & (q.abs() < fmt.min_normal)).sum() > 100
+    assert torch.equal(quantize(g, fmt), g)
+
+
+def test_quantize_keeps_dtype_and_is_exact_in_bf16() -> None:
+    x = torch.randn(1000).bfloat16()
+    q = quantize(x, E5M2)
+    assert q.dtype == torch.bfloat16
+    assert torch.equal(q.float(), x.float().to(torch.float8_e5m2).float())
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+def test_quantize_saturates_and_propagates_nan(fmt: Fp8Format) -> None:
+    big = torch.tensor([fmt.max * 1.1, fmt.max * 1.2, 1e30, math.inf])
+    assert torch.equal(quantize(big, fmt), torch.full((4,), fmt.max))
+    assert torch.equal(quantize(-big, fmt), torch.full((4,), -fmt.max))
+    q = quantize(torch.tensor([math.nan, 1.0]), fmt)
+    assert math.isnan(q[0].item()) and q[1].item() == 1.0
+    assert torch.isfinite(quantize(torch.tensor([1e6]), E5M2)).all()  # native E5M2 would give inf
+
+
+# --------------------------------------------------------------------------------------------
+# stochastic rounding
+
+
+def neighbours(x: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    g = grid(fmt).double()
+    xd = x.double()
+    lo = g[(torch.searchsorted(g, xd, right=True) - 1).clamp(min=0)]
+    hi = g[torch.searchsorted(g, xd).clamp(max=len(g) - 1)]
+    return lo.float(), hi.float()
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+def test_stochastic_round_gives_a_neighbour(fmt: Fp8Format) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = wide_range(fmt, 100_000, gen)
+    r = stochastic_round(x, fmt, gen)
+    lo, hi = neighbours(x, fmt)
+    assert ((r == lo) | (r == hi)).all()
+    assert representable(r, fmt)
+    assert torch.equal(stochastic_round(grid(fmt), fmt, gen), grid(fmt))  # grid points stay
+    big = torch.tensor([fmt.max * 1.5, -math.inf, math.nan])
+    out = stochastic_round(big, fmt, gen)
+    assert out[0].item() == fmt.max and out[1].item() == -fmt.max and math.isnan(out[2].item())
+
+
+def _cases(fmt: Fp8Format) -> list[tuple[float, float]]:
+    """(grid point below, spacing) in a normal binade and in the subnormal range."""
+    normal_eps = 2.0 ** (0 - fmt.mantissa_bits)  # binade [1, 2)
+    sub_eps = fmt.min_subnormal
+    return [(1.0, normal_eps), (-2.0 - 2 * normal_eps, 2 * normal_eps), (3 * sub_eps, sub_eps)]
+
+
+@pytest.mark.parametrize("fmt", ALL_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("frac", [0.1, 0.25, 0.5, 0.9])
+def test_stochastic_round_is_unbiased(fmt: Fp8Format, frac: float) -> None:
+    n = 20_000
+    gen = torch.Generator().manual_seed(2)
+    for down, eps in _cases(fmt):
+        x = down + frac * eps  # exact in fp32
+        r = stochastic_round(torch.full((n,), x), fmt, gen).double()
+        assert set(r.unique().tolist()) <= {down, down + eps}
+        # one rounding is a Bernoulli(frac) step of size eps: std of the mean
+        sigma = eps * math.sqrt(frac * (1 - frac) / n)
+        assert abs(r.mean().item() - x) < 5 * sigma
+        if frac == 0.25:  # round-to-nearest in the same setup: biased by frac * eps >> sigma
+            rtn = quantize(torch.full((n,), x), fmt).double()
+            assert abs(rtn.mean().item() - x) > 50 * sigma
+
+
+def test_stochastic_round_fp16_dtype_argument() -> None:
+    x = torch.randn(4096) * 3
+    r = stochastic_round(x, torch.float16)
+    assert r.dtype == torch.float32 and representable(r, FP16)
+    assert (r - x).abs().max() <= x.abs().max() * 2.0**-10
+
+
+# --------------------------------------------------------------------------------------------
+# per-tensor scaling
+
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("amax", [1e-30, 1e-7, 0.3, 1.0, 448.0, 57344.0, 1e6, 2.0**-20, 3e38])
+def test_tensor_scale_is_power_of_two_and_fits(fmt: Fp8Format, amax: float) -> None:
+    x = torch.tensor([amax, -amax / 3, amax / 1000])
+    s = tensor_scale(x, fmt)
+    a = x.abs().max()
+    mantissa, _ = torch.frexp(s)
+    assert mantissa.item() == 0.5  # a power of two
+    assert (a * s).item() <= fmt.max
+    if abs(math.log2(amax)) < 120:  # not clamped to FP32's exponent range
+        assert (a * s * 2).item() > fmt.max  # the largest such power of two
+    # amax lands in range: rounded to nearest, not saturated
+    q_amax = quantize(x, fmt, s).abs().max().item()
+    assert abs(q_amax - a.item()) <= a.item() * 2.0 ** -(fmt.mantissa_bits + 1)
+
+
+def test_tensor_scale_degenerate() -> None:
+    assert tensor_scale(torch.zeros(5), E5M2).item() == 1.0
+    assert tensor_scale(torch.tensor([1.0, math.inf]), E5M2).item() == 1.0
+    assert tensor_scale(torch.empty(0), E5M2).item() == 1.0
+    # scaled quantization lets Inf/NaN through, for the loss scaler to see
+    q = quantize_scaled(torch.tensor([1.0, math.inf, math.nan]), E5M2)
+    assert q[0].item() == 1.0 and q[1].item() == math.inf and math.isnan(q[2].item())
+
+
+def test_tiny_tensors_survive_scaled_quantization() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = 1e-7 * (1 + torch.rand(1000, generator=gen))
+    assert (quantize(x, E5M2) == 0).all()  # below half of 2**-16: flushed unscaled
+    for stochastic in (False, True):
+        q = quantize_scaled(x, E5M2, stochastic=stochastic, generator=gen)
+        rel = ((q - x) / x).abs().max().item()
+        assert rel <= (2.0**-3 if not stochastic else 2.0**-2)  # half an ulp / one ulp at 2 bits
+        assert representable(q * tensor_scale(x, E5M2), E5M2)
+
+
+# --------------------------------------------------------------------------------------------
+# emulated FP8 layers
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.up = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(self.up(x)))
+        return self.head(x)
+
+
+def test_convert_records_layers_and_keeps_state_dict() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    reference = copy.deepcopy(model)
+    p = make_precision()
+    converted = p.prepare_model(model)
+    assert converted is model
+    state = p.fp8_state
+    assert isinstance(state, fp8.Fp8State)
+    assert state.backend == "emulated" and state.format == "e5m2"
+    assert state.converted == ["conv1", "up", "conv2", "head.1", "head.3"]
+    assert isinstance(model.up, fp8.Fp8ConvTranspose2d) and isinstance(model.head[3], fp8.Fp8Linear)
+    assert list(model.state_dict()) == list(reference.state_dict())
+    model.load_state_dict(reference.state_dict(), strict=True)
+    assert "fp8=e5m2/e5m2" in repr(model.head[1])
+
+    x = torch.randn(4, 3, 8, 8)
+    out = model(x)
+    assert out.shape == (4, 4) and out.dtype == torch.float32
+    out.square().mean().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+def _reference_output(layer: nn.Module, x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The original fp32 layer applied to quantized weights and inputs (bias unquantized)."""
+    ref = copy.deepcopy(layer)
+    with torch.no_grad():
+        ref.weight.copy_(quantize_scaled(layer.weight, fmt))
+    return ref(quantize_scaled(x, fmt))
+
+
+@pytest.mark.parametrize(("fmt_name", "fmt"), [("e5m2", E5M2), ("hybrid", E4M3)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Linear(12, 5),
+        lambda: nn.Conv2d(3, 4, 3, padding=1),
+        lambda: nn.ConvTranspose2d(3, 4, 3, stride=2),
+    ],
+    ids=["linear", "conv", "convT"],
+)
+def test_forward_equals_fp32_on_quantized_operands(fmt_name: str, fmt: Fp8Format, make) -> None:
+    torch.manual_seed(1)
+    layer = make()
+    p = make_precision(format=fmt_name, master_weights="fp32")
+    model = fp8.convert_model(nn.Sequential(copy.deepcopy(layer)), p)
+    x = torch.randn(2, 12) * 5 if isinstance(layer, nn.Linear) else torch.randn(2, 3, 6, 6) * 5
+    with torch.no_grad():
+        expected = _reference_output(layer, x, fmt)
+        got = model(x)
+        unquantized = layer(x)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, unquantized)
+
+
+def test_bf16_compute() -> None:
+    torch.manual_seed(2)
+    layer = nn.Linear(16, 8)
+    model = fp8.convert_model(
+        nn.Sequential(copy.deepcopy(layer)), make_precision(emulated_compute="bf16", master_weights="fp32")
+    )
+    x = torch.randn(4, 16)
+    y = model(x)
+    assert y.dtype == torch.float32
+    xq, wq = quantize_scaled(x, E5M2), quantize_scaled(layer.weight, E5M2)
+    expected = F.linear(xq.bfloat16(), wq.bfloat16(), layer.bias.bfloat16()).float()
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_backward_quantizes_error_and_weight_grad(stochastic: bool) -> None:
+    torch.manual_seed(3)
+    layer = nn.Linear(16, 16)
+    with torch.no_grad():  # identity weight (exact in FP8): grad wrt input == quantized error
+        layer.weight.copy_(torch.eye(16))
+        layer.bias.zero_()
+    p = make_precision(master_weights="fp32", stochastic_rounding=stochastic)
+    model = fp8.convert_model(nn.Sequential(layer), p)
+    x = torch.randn(32, 16, requires_grad=True)
+    gy = torch.randn(32, 16) * 1e-3
+    model(x).backward(gy)
+
+    s = tensor_scale(gy, E5M2)
+    assert representable(x.grad * s, E5M2)
+    assert not torch.equal(x.grad, gy)
+    if not stochastic:
+        assert torch.equal(x.grad, quantize_scaled(gy, E5M2))
+
+    # the weight gradient: computed from quantized error and input, then quantized itself
+    raw = x.grad.t() @ quantize_scaled(x.detach(), E5M2)
+    assert representable(layer.weight.grad * tensor_scale(raw, E5M2), E5M2)
+    if not stochastic:
+        assert torch.equal(layer.weight.grad, quantize_scaled(raw, E5M2))
+    torch.testing.assert_close(layer.bias.grad, x.grad.sum(0))
+
+
+def _train(p: Precision, steps: int = 40) -> tuple[nn.Module, list[float]]:
+    torch.manual_seed(4)
+    teacher = torch.randn(16, 4)
+    x = torch.randn(256, 16)
+    y = (x @ teacher).argmax(1)
+    model = p.prepare_model(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        p.after_step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def test_training_reduces_loss_with_fp16_masters() -> None:
+    p = make_precision()
+    model, losses = _train(p)
+    assert losses[-1] < 0.5 * losses[0], losses
+    for param in model.parameters():
+        assert representable(param.detach(), FP16)
+        assert param.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_after_step_rounds_to_fp16(stochastic: bool) -> None:
+    p = make_precision(stochastic_rounding=stochastic)
+    model = fp8.convert_model(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), p)
+    assert all(representable(q.detach(), FP16) for q in model.parameters())  # from the start
+    with torch.no_grad():
+        for q in model.parameters():
+            q.add_(torch.randn_like(q) * 1e-3)
+    assert not all(representable(q.detach(), FP16) for q in model.parameters())
+    p.after_step()
+    assert all(representable(q.detach(), FP16) for q in model.parameters())
+
+
+def test_fp32_masters_are_left_alone() -> None:
+    p = make_precision(master_weights="fp32")
+    model, _ = _train(p, steps=5)
+    assert not all(representable(q.detach(), FP16) for q in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# torchao
+
+
+def _torchao_precision() -> Precision:
+    # build_precision refuses torchao off CUDA, so build the object directly.
+    return Precision(
+        requested="fp8",
+        resolved="fp8",
+        device=torch.device("cpu"),
+        fp8="torchao",
+        options={"recipe": "rowwise"},
+    )
+
+
+def test_build_precision_torchao_on_cpu_is_a_clean_error() -> None:
+    with pytest.raises(MptrainError, match="needs a CUDA GPU"):
+        make_precision(backend="torchao")
+
+
+def test_torchao_no_eligible_linear() -> None:
+    msg = r"no Linear layer has in/out features divisible by 16 \(found 0: 10x3\)"
+    with pytest.raises(MptrainError, match=msg):
+        fp8.convert_model(nn.Sequential(nn.Linear(10, 3)), _torchao_precision())
+
+
+def test_torchao_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(MptrainError, match="needs the torchao package"):
+        fp8.convert_model(nn.Sequential(nn.Linear(32, 16)), _torchao_precision())
+
+
+def test_torchao_call_with_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: dict[str, object] = {}
+
+    class Float8Linear(nn.Linear):
+        pass
+
+    class Float8LinearConfig:
+        @staticmethod
+        def from_recipe_name(name: str) -> str:
+            return f"config:{name}"
+
+    def convert_to_float8_training(module, *, module_filter_fn, config):
+        calls["config"] = config
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and module_filter_fn(child, name):
+                child.__class__ = Float8Linear
+        return module
+
+    fake = types.ModuleType("torchao.float8")
+    fake.Float8LinearConfig = Float8LinearConfig  # type: ignore[attr-defined]
+    fake.convert_to_float8_training = convert_to_float8_training  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", fake)
+    p = _torchao_precision()
+    fp8.convert_model(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10)), p)
+    assert calls["config"] == "config:rowwise"
+    assert p.fp8_state.backend == "torchao" and p.fp8_state.converted == ["0"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torchao float8 needs CUDA sm89+")
+def test_torchao_real() -> None:
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs sm89+")
+    p = make_precision(backend="torchao", recipe="tensorwise")
+    model = p.prepare_model(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).cuda().bfloat16())
+    assert p.fp8_state.converted == ["0"]
+    with p.autocast():
+        model(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
