@@ -6,9 +6,9 @@ Every mode goes through the same engine path; this object supplies the differenc
   reductions such as softmax and batch-norm statistics, as torch.autocast's op lists decide);
 - ``prepare_model()``: storage casts (fp16_master: FP16 weights except batch norm; bf16_pure:
   everything bf16) and FP8 conversion;
-- ``optimizer_params()`` / ``before_unscale()`` / ``after_step()``: master weights. The optimizer
-  updates an FP32 copy (Micikevicius et al. 2017), because an FP16 weight w does not move under an
-  update smaller than half an ulp (about |w| * 2^-11).
+- ``master_weights()``: the FP32 copy that the optimizer updates (Micikevicius et al. 2017),
+  because an FP16 weight w does not move under an update smaller than half an ulp (|w| * 2^-11);
+- ``after_step()``: per-step work of the mode itself (FP8's FP16 master rounding).
 
 Modes (``precision.name``): fp32 (TF32 off: a true baseline), tf32, amp_fp16, amp_bf16, mixed
 (amp_fp16 on CUDA, amp_bf16 on CPU), fp16_master, bf16_pure, fp8.
@@ -109,7 +109,6 @@ class Precision:
     fp8: str | None = None  # "torchao" (real FP8 kernels) | "emulated" | None
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
-    master: MasterWeights | None = None
     fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
 
     @property
@@ -144,25 +143,23 @@ class Precision:
             model = fp8.convert_model(model, self)
         return model
 
-    def optimizer_params(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Param groups for the optimizer: master copies in place of low-precision parameters."""
+    def master_weights(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MasterWeights | None]:
+        """Param groups for one optimizer, with FP32 masters in place of low-precision parameters.
+
+        Returns the groups and the MasterWeights to drive (None when weights are FP32 already).
+        """
         if self.param_dtype == torch.float32:
-            return groups
+            return groups, None
         params = [p for g in groups for p in g["params"]]
-        self.master = MasterWeights(
+        master = MasterWeights(
             params,
             stochastic_rounding=bool(self.options.get("stochastic_rounding", False)),
             refresh=self.resolved == "bf16_pure",
         )
-        return [{**g, "params": [self.master.swap(p) for p in g["params"]]} for g in groups]
-
-    def before_unscale(self) -> None:
-        if self.master is not None:
-            self.master.before_unscale()
+        return [{**g, "params": [master.swap(p) for p in g["params"]]} for g in groups], master
 
     def after_step(self) -> None:
-        if self.master is not None:
-            self.master.after_step()
+        """Per-step work of the precision itself, after every optimizer step (FP8 master rounding)."""
         if self.fp8 == "emulated":
             from mptrain import fp8
 

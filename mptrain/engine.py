@@ -1,0 +1,483 @@
+"""The one training loop. Every model family and every precision mode runs through ``Engine.fit``.
+
+One optimizer step, for each objective of the task (one for a classifier, two for a GAN)::
+
+    zero grads
+    for each micro-batch:                           # trainer.grad_accum
+        with precision.autocast(): loss = task.loss(...)
+        scaler.scale(loss / accum).backward()
+    master.before_unscale()                         # FP16/bf16 weights: grads to the FP32 masters
+    scaler.unscale_(optimizer)                      # true gradients from here on...
+    clip_grad_norm_(...)                            # ...so clipping sees real norms
+    scaler.step(optimizer); scaler.update()         # skipped on Inf/NaN; the policy's state machine
+    master.after_step(); precision.after_step()     # masters back into the model's storage dtype
+    scheduler.step()
+
+The hot path never waits for the device: per-step values (loss, scale, overflow flag) stay on the
+device and are read back once per logging window (``trainer.log_every``), where throughput is
+measured over the whole window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import random
+import statistics
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import Tensor, nn
+
+from mptrain import __version__, checkpoint
+from mptrain.errors import DivergedError, MptrainError
+from mptrain.logger import RunLogger
+from mptrain.loss_scaling import DynamicScaler, LossScaler, build_scaler, resolve_policy
+from mptrain.optim import build_optimizer, build_scheduler, param_groups
+from mptrain.precision import MasterWeights, Precision, build_precision
+from mptrain.tasks import Objective, Task, build_task
+
+log = logging.getLogger("mptrain")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``trainer.device``: auto (CUDA when available), cpu or cuda."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise MptrainError("trainer.device=cuda: no CUDA device is available (use auto or cpu)")
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class Slot:
+    """Everything one objective owns: its module, optimizer, schedule, loss scaler, masters."""
+
+    objective: Objective
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    master: MasterWeights | None
+    extra_names: list[str] = field(default_factory=list)  # task metrics logged beside the loss
+
+    @property
+    def params(self) -> list[Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+
+class Engine:
+    """Builds a run from the composed config and trains it. Reads every config group."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        t = cfg.trainer
+        self.device = resolve_device(t.device)
+        seed_everything(t.seed)
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = t.cudnn_benchmark
+
+        self.precision: Precision = build_precision(cfg.precision, self.device)
+        self.precision.configure_backends()
+        self.policy = resolve_policy(cfg.loss_scale.name, self.precision.resolved, self.precision.fp8)
+        if self.precision.note:
+            log.info("precision: %s", self.precision.note)
+
+        image_size = None
+        if cfg.model.get("task", "classification") == "classification":
+            image_size = cfg.data.image_size or (
+                cfg.model.image_size if self.device.type == "cuda" else cfg.model.cpu_image_size
+            )
+        self.image_size = image_size
+        self.task: Task = build_task(cfg, self.device, self.precision, image_size)
+
+        self.steps_per_epoch = self.task.steps_per_epoch() // t.grad_accum
+        if self.steps_per_epoch < 1:
+            raise MptrainError(
+                f"trainer.grad_accum={t.grad_accum}: more micro-batches per step than the "
+                f"{self.task.steps_per_epoch()} batches in an epoch"
+            )
+        self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
+        self.slots = [self._build_slot(obj) for obj in self.task.objectives]
+
+        self.step = 0
+        self.skipped = torch.zeros((), device=self.device)
+        self.nonfinite_run = torch.zeros((), device=self.device)
+        self.metrics: dict[str, float] = {}
+        self.resumed_from: Path | None = None
+        resume = checkpoint.resolve_resume(t.resume, run_dir)
+        if resume is not None:
+            self._load(resume)
+        self.logger = RunLogger(run_dir, self.total_steps, self.task.unit, start_step=self.step)
+
+    # ---------------------------------------------------------------------------------- setup
+
+    def _build_slot(self, objective: Objective) -> Slot:
+        cfg = self.cfg
+        module = self.precision.prepare_model(self.task.modules[objective.module])
+        scaler = build_scaler(cfg.loss_scale, self.policy, self.device)
+        module = scaler.attach(module)
+        if cfg.trainer.compile:
+            module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
+        self.task.modules[objective.module] = module
+        groups = param_groups(module, cfg.optim.weight_decay, cfg.optim.no_decay_bn_bias)
+        groups, master = self.precision.master_weights(groups)
+        optimizer = build_optimizer(cfg.optim, groups, self.device)
+        scheduler = build_scheduler(cfg.sched, optimizer, self.total_steps, self.steps_per_epoch)
+        return Slot(objective, module, optimizer, scheduler, scaler, master)
+
+    def _suffix(self, slot: Slot) -> str:
+        return "" if len(self.slots) == 1 else f"_{slot.objective.name}"
+
+    # ---------------------------------------------------------------------------------- train
+
+    def _train_step(self, micro_batches: list[Any]) -> list[Tensor]:
+        """One optimizer step per objective. Returns per-objective device rows for logging."""
+        accum = len(micro_batches)
+        rows = []
+        for slot in self.slots:
+            slot.optimizer.zero_grad(set_to_none=True)
+            loss_sum = torch.zeros((), device=self.device)
+            extras: dict[str, Tensor] = {}
+            for batch in micro_batches:
+                with self.precision.autocast():
+                    loss, extras = self.task.loss(slot.objective, batch)
+                slot.scaler.scale(loss / accum).backward()
+                loss_sum += loss.detach().float()
+            if slot.master is not None:
+                slot.master.before_unscale()
+            slot.scaler.unscale_(slot.optimizer)
+            if self.cfg.trainer.grad_clip:
+                torch.nn.utils.clip_grad_norm_(slot.params, self.cfg.trainer.grad_clip, foreach=True)
+            slot.scaler.step(slot.optimizer)
+            slot.scaler.update()
+            if slot.master is not None:
+                slot.master.after_step()
+            self.precision.after_step()
+            with warnings.catch_warnings():
+                # A skipped first step makes torch warn that the scheduler stepped before the
+                # optimizer; the schedule is indexed by trainer step on purpose (see optim.py).
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                slot.scheduler.step()
+            loss_mean = loss_sum / accum
+            self.skipped += slot.scaler.found_inf
+            self.nonfinite_run = torch.where(
+                torch.isfinite(loss_mean), torch.zeros_like(self.nonfinite_run), self.nonfinite_run + 1
+            )
+            # One small stack per step: it also snapshots the scale before the next in-place update.
+            rows.append(torch.stack([loss_mean, slot.scaler.scale_value.float(), slot.scaler.found_inf,
+                                     *(v.float() for v in extras.values())]))
+            slot.extra_names = list(extras)
+        return rows
+
+    def fit(self) -> None:
+        t = self.cfg.trainer
+        logger = self.logger
+        windows: list[float] = []
+        buffer: list[tuple[int, list[Tensor]]] = []
+        t0, samples, window_steps = time.perf_counter(), 0, 0
+        skipped_logged = float(self.skipped)
+        for slot in self.slots:
+            slot.module.train()
+        while self.step < self.total_steps:
+            epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
+            batches = self.task.train_batches(epoch, start=in_epoch * t.grad_accum)
+            for _ in range(in_epoch, self.steps_per_epoch):
+                micro = [next(batches) for _ in range(t.grad_accum)]
+                samples += sum(self.task.batch_size(b) for b in micro)
+                buffer.append((self.step + 1, self._train_step(micro)))
+                self.step += 1
+                window_steps += 1
+                end_of_epoch = self.step % self.steps_per_epoch == 0
+                done = self.step >= self.total_steps
+
+                if self.step % t.log_every == 0 or done:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - t0
+                    rate = samples / elapsed
+                    windows.append(rate)
+                    skipped_logged = self._flush(buffer, rate, elapsed / window_steps, skipped_logged)
+                    buffer.clear()
+                    t0, samples, window_steps = time.perf_counter(), 0, 0
+                evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
+                    t.eval_every is None and end_of_epoch) or done
+                if evaluate:
+                    self.metrics = self.task.evaluate(self.precision)
+                    logger.eval(self.step, self.metrics)
+                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or done:
+                    self.save()
+                if evaluate or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                    # Keep eval and checkpoint time out of the throughput window.
+                    t0, samples, window_steps = time.perf_counter(), 0, 0
+                if done:
+                    break
+        self.throughput_windows = windows
+
+    def _flush(self, buffer: list[tuple[int, list[Tensor]]], rate: float, step_time: float,
+               skipped_before: float) -> float:
+        """The logging step: one host sync for the whole window, then TensorBoard and console."""
+        logger = self.logger
+        steps = [s for s, _ in buffer]
+        host = torch.stack([torch.cat(rows) for _, rows in buffer]).tolist()
+        skipped_total = skipped_before
+        for step, values in zip(steps, host, strict=True):
+            i = 0
+            for slot in self.slots:
+                sfx = self._suffix(slot)
+                loss, scale, inf = values[i : i + 3]
+                logger.scalar(f"train/loss{sfx}", loss, step)
+                logger.scalar(f"train/loss_scale{sfx}", scale, step)
+                logger.scalar(f"train/overflow{sfx}", inf, step)
+                names = slot.extra_names
+                for name, v in zip(names, values[i + 3 : i + 3 + len(names)], strict=True):
+                    logger.scalar(f"train/{name}{sfx}", v, step)
+                skipped_total += inf
+                i += 3 + len(names)
+            logger.scalar("train/skipped_steps", skipped_total, step)
+        step = steps[-1]
+        last = host[-1]
+        for slot in self.slots:
+            logger.scalar(f"train/lr{self._suffix(slot)}", slot.optimizer.param_groups[0]["lr"], step)
+            for name, value in slot.scaler.telemetry().items():
+                if value.numel() == 1:
+                    logger.scalar(f"loss_scale/{name}{self._suffix(slot)}", float(value), step)
+                else:
+                    logger.histogram(f"loss_scale/{name}{self._suffix(slot)}", value.float().cpu(), step)
+            if isinstance(slot.scaler, DynamicScaler):
+                slot.scaler.check()
+        logger.scalar("train/throughput", rate, step)
+        logger.scalar("train/step_time", step_time, step)
+        if self.device.type == "cuda":
+            logger.scalar("train/peak_memory", torch.cuda.max_memory_allocated(self.device), step)
+        first = self.slots[0]
+        extra = {}
+        if len(self.slots) > 1:
+            i = 3 + len(first.extra_names)
+            for slot in self.slots[1:]:
+                extra[f"loss_{slot.objective.name}"] = last[i]
+                i += 3 + len(slot.extra_names)
+        logger.window(step, {"loss": last[0], "lr": first.optimizer.param_groups[0]["lr"], "scale": last[1],
+                             "skipped": int(skipped_total), "throughput": rate, "extra": extra})
+        self.task.log_media(logger, step)
+        self.last_loss = last[0]
+        run = int(self.nonfinite_run)
+        if run >= self.cfg.trainer.max_nonfinite_steps:
+            raise DivergedError(
+                f"loss was non-finite for {run} consecutive steps (trainer.max_nonfinite_steps="
+                f"{self.cfg.trainer.max_nonfinite_steps}); the last good checkpoint is kept"
+            )
+        return skipped_total
+
+    # ---------------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": 1,
+            "mptrain_version": __version__,
+            "task": self.cfg.model.get("task", "classification"),
+            "model_name": self.cfg.model.name,
+            "step": self.step,
+            "modules": {k: m.state_dict() for k, m in self.task.modules.items()},
+            "optimizers": {s.objective.name: s.optimizer.state_dict() for s in self.slots},
+            "schedulers": {s.objective.name: s.scheduler.state_dict() for s in self.slots},
+            "scalers": {s.objective.name: s.scaler.state_dict() for s in self.slots},
+            "masters": {s.objective.name: s.master.state_dict() for s in self.slots if s.master},
+            "task_state": self.task.state_dict(),
+            "counters": {"skipped": float(self.skipped), "nonfinite_run": float(self.nonfinite_run)},
+            "rng": checkpoint.rng_state(),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+        }
+
+    def save(self) -> None:
+        """Checkpoint atomically; never over a good checkpoint with non-finite weights."""
+        params = [p for m in self.task.modules.values() for p in m.parameters()]
+        if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+            log.warning("step %d: weights are not finite; checkpoint not written", self.step)
+            return
+        checkpoint.save_atomic(self.state_dict(), checkpoint.checkpoint_path(self.run_dir, self.step))
+        checkpoint.prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
+
+    def _load(self, path: Path) -> None:
+        state = checkpoint.load(path)
+        cfg = self.cfg
+        task = cfg.model.get("task", "classification")
+        if state["model_name"] != cfg.model.name or state["task"] != task:
+            raise MptrainError(
+                f"trainer.resume={path}: checkpoint belongs to model={state['model_name']}, "
+                f"this run is model={cfg.model.name}"
+            )
+        try:
+            for name, module in self.task.modules.items():
+                module.load_state_dict(state["modules"][name])
+            for s in self.slots:
+                name = s.objective.name
+                s.optimizer.load_state_dict(state["optimizers"][name])
+                s.scheduler.load_state_dict(state["schedulers"][name])
+                s.scaler.load_state_dict(state["scalers"][name])
+                if s.master is not None:
+                    s.master.load_state_dict(state["masters"][name])
+        except MptrainError:
+            raise
+        except (RuntimeError, KeyError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0][:200]
+            raise MptrainError(
+                f"trainer.resume={path}: checkpoint does not fit this run's model/precision ({first})"
+            ) from exc
+        self.task.load_state_dict(state["task_state"])
+        self.step = int(state["step"])
+        self.skipped.fill_(state["counters"]["skipped"])
+        self.nonfinite_run.fill_(state["counters"]["nonfinite_run"])
+        checkpoint.set_rng_state(state["rng"])
+        self.resumed_from = path
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ---------------------------------------------------------------------------------- run
+
+    def summary(self, status: str, wall: float, error: str | None = None) -> dict[str, Any]:
+        cfg = self.cfg
+        windows = getattr(self, "throughput_windows", [])
+        kept = windows[cfg.trainer.warmup_windows:] or windows[-1:]
+        first = self.slots[0]
+        return {
+            "status": status,
+            "error": error,
+            "model": cfg.model.name,
+            "data": cfg.data.name,
+            "precision": cfg.precision.name,
+            "precision_resolved": self.precision.resolved,
+            "precision_detail": self.precision.describe(),
+            "loss_scale": self.policy,
+            "loss_scale_state": {s.objective.name: s.scaler.summary() for s in self.slots},
+            "device": str(self.device),
+            "device_name": _device_name(self.device),
+            "world_size": 1,
+            "batch_size": cfg.data.batch_size,
+            "global_batch_size": cfg.data.batch_size * cfg.trainer.grad_accum,
+            "image_size": self.image_size,
+            "steps": self.step,
+            "total_steps": self.total_steps,
+            "final_loss": getattr(self, "last_loss", None),
+            "metrics": self.metrics,
+            "primary_metric": self.task.primary_metric,
+            "throughput": statistics.median(kept) if kept else None,
+            "throughput_unit": self.task.unit,
+            "peak_memory_bytes": (
+                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+            ),
+            "skipped_steps": int(float(self.skipped)),
+            "final_loss_scale": float(first.scaler.scale_value),
+            "wall_time_s": wall,
+            "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "task": self.task.describe(),
+            "versions": _versions(),
+            "run_dir": str(self.run_dir),
+        }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def _versions() -> dict[str, str | None]:
+    import torchvision
+
+    return {
+        "mptrain": __version__,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None,
+        "python": platform.python_version(),
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """Build and run one training job; summary.json is written whatever happens.
+
+    Returns the summary. User errors raise MptrainError after the summary is written.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    engine: Engine | None = None
+    status, error = "failed", None
+    try:
+        engine = Engine(cfg, run_dir)
+        log.info(
+            "%s on %s | %s (%s) | loss_scale %s | %d steps of %d %s",
+            cfg.model.name, engine.device, cfg.precision.name, engine.precision.resolved,
+            engine.policy, engine.total_steps, cfg.data.batch_size * cfg.trainer.grad_accum, engine.task.unit,
+        )
+        engine.fit()
+        status = "completed"
+    except DivergedError as exc:
+        status, error = "diverged", str(exc)
+        raise
+    except KeyboardInterrupt:
+        status, error = "interrupted", "interrupted by the user"
+        if engine is not None:
+            engine.save()
+        raise
+    except Exception as exc:
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise
+    finally:
+        wall = time.perf_counter() - start
+        if engine is not None:
+            summary = engine.summary(status, wall, error)
+            engine.logger.hparams(_hparams(cfg, engine), _final_metrics(summary))
+            engine.logger.close()
+            engine.task.finish(run_dir)
+        else:  # failed while building: still leave a record of what was asked
+            summary = {"status": status, "error": error, "model": cfg.model.name, "data": cfg.data.name,
+                       "precision": cfg.precision.name, "loss_scale": cfg.loss_scale.name,
+                       "wall_time_s": wall, "versions": _versions(), "run_dir": str(run_dir)}
+        write_json(run_dir / "summary.json", summary)
+        if engine is not None and status != "failed":
+            engine.logger.summary_table(summary)
+    return summary
+
+
+def _hparams(cfg: DictConfig, engine: Engine) -> dict[str, Any]:
+    return {
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "precision": cfg.precision.name,
+        "precision_resolved": engine.precision.resolved,
+        "loss_scale": engine.policy,
+        "batch_size": cfg.data.batch_size,
+        "lr": cfg.optim.lr,
+        "optim": cfg.optim.name,
+        "seed": cfg.trainer.seed,
+    }
+
+
+def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    out = {f"val/{k}": v for k, v in summary["metrics"].items()}
+    if summary["final_loss"] is not None and math.isfinite(summary["final_loss"]):
+        out["train/final_loss"] = summary["final_loss"]
+    if summary["throughput"]:
+        out["train/throughput_median"] = summary["throughput"]
+    return out

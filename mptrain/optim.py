@@ -1,0 +1,88 @@
+"""Optimizers and LR schedules (config groups ``optim`` and ``sched``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+_NO_DECAY_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.Embedding)
+
+
+def param_groups(module: nn.Module, weight_decay: float, no_decay_bn_bias: bool) -> list[dict[str, Any]]:
+    """Split parameters so that weight decay stays off norm layers and biases (when asked).
+
+    Reads ``optim.weight_decay`` and ``optim.no_decay_bn_bias`` (passed in).
+    """
+    if not no_decay_bn_bias or weight_decay == 0:
+        return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    decay, no_decay = [], []
+    for mod in module.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if isinstance(mod, _NO_DECAY_TYPES) or name.endswith("bias") or p.ndim <= 1:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _impl_kwargs(impl: str, device: torch.device, groups: list[dict[str, Any]]) -> dict[str, bool]:
+    """fused: one kernel for the whole update, and with GradScaler the step is skipped on the
+    device (no host sync). auto picks it on CUDA when every parameter is a floating CUDA tensor."""
+    if impl == "fused":
+        return {"fused": True}
+    if impl == "foreach":
+        return {"foreach": True}
+    if impl == "for_loop":
+        return {"foreach": False}
+    all_float = all(p.is_floating_point() for g in groups for p in g["params"])
+    return {"fused": True} if device.type == "cuda" and all_float else {}
+
+
+def build_optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
+    """Reads ``optim.name``, ``optim.lr``, ``optim.impl`` and the optimizer's own keys."""
+    kwargs = _impl_kwargs(cfg.impl, device, groups)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kwargs
+        )
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+
+def lr_factor(cfg: DictConfig, total_steps: int, steps_per_epoch: int) -> Callable[[int], float]:
+    """The multiplier of the base lr at a given optimizer step.
+
+    Reads ``sched.name`` (constant | step | cosine), ``sched.warmup_steps``,
+    ``sched.warmup_start_factor``, ``sched.step_size``, ``sched.step_unit``, ``sched.gamma`` and
+    ``sched.min_lr_ratio``. The schedule is indexed by the trainer step, skipped steps included,
+    so a step skipped for overflow does not shift it (and knowing needs no host sync).
+    """
+    warmup = cfg.warmup_steps
+    step_size = cfg.step_size * (steps_per_epoch if cfg.step_unit == "epoch" else 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return cfg.warmup_start_factor + (1 - cfg.warmup_start_factor) * step / warmup
+        if cfg.name == "step":
+            return cfg.gamma ** (step // step_size)
+        if cfg.name == "cosine":
+            progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return 1.0
+
+    return factor
+
+
+def build_scheduler(
+    cfg: DictConfig, optimizer: torch.optim.Optimizer, total_steps: int, steps_per_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, total_steps, steps_per_epoch))

@@ -1,0 +1,60 @@
+"""Shared helpers: compose the real configs (as the CLI does) and run jobs in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mptrain.cli import compose
+from mptrain.config import register_configs, validate
+
+register_configs()
+
+# Tiny but real: the torchvision architectures at 1/8 width, small images, few steps.
+TINY = [
+    "data.batch_size=4",
+    "data.train_samples=16",
+    "data.val_samples=8",
+    "data.num_classes=10",
+    "data.num_workers=0",
+    "trainer.log_every=2",
+]
+TINY_MODEL = {
+    "alexnet": ["model.width_divisor=8", "data.image_size=64"],
+    "vgg16": ["model.width_divisor=8", "data.image_size=32"],
+    "resnet50": ["model.width_divisor=8", "data.image_size=32"],
+    "googlenet": ["model.width_divisor=8", "data.image_size=32"],
+    "inception_v3": ["model.width_divisor=16", "data.image_size=299", "data.batch_size=2"],
+}
+
+
+def run_job(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """Compose + validate + train in this process; returns summary.json's content."""
+    from mptrain.engine import train
+
+    cfg = compose(list(overrides))
+    validate(cfg)
+    train(cfg, run_dir)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def tiny(model: str = "resnet50", *extra: str) -> list[str]:
+    return [f"model={model}", *TINY, *TINY_MODEL[model], *extra]
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "mptrain", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

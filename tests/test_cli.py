@@ -1,0 +1,72 @@
+"""Bad input: one clear line naming the value and what is allowed, exit 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_cli
+
+from mptrain.cli import compose
+from mptrain.config import validate
+from mptrain.errors import MptrainError
+
+BAD = [
+    (["model=foo"], "model=foo: unknown choice; model is one of: alexnet, googlenet, inception_v3, resnet50, vgg16"),
+    (["trainer.foo=1"], "trainer.foo: unknown option; trainer has: max_steps"),
+    (["optim.lr=abc"], "optim.lr=abc: must be of type float"),
+    (["optim.lr=0"], "optim.lr=0.0: must be a number > 0"),
+    (["optim.lr=-1"], "optim.lr=-1.0: must be a number > 0"),
+    (["data.batch_size=0"], "data.batch_size=0: must be an integer >= 1"),
+    (["trainer.max_steps=0"], "trainer.max_steps=0: must be an integer >= 1"),
+    (["loss_scale=static", "loss_scale.scale=0"], "loss_scale.scale=0.0: must be a number > 0"),
+    (["loss_scale=static", "loss_scale.scale=-8"], "loss_scale.scale=-8.0: must be a number > 0"),
+    (
+        ["loss_scale=dynamic", "loss_scale.scale=8"],
+        "loss_scale.scale: unknown option; loss_scale has: name, init_scale",
+    ),
+    (["loss_scale=dynamic", "loss_scale.backoff_factor=2"], "loss_scale.backoff_factor=2.0: must be between 0 and 1"),
+    (["trainer.device=tpu"], "trainer.device='tpu': must be one of auto, cpu, cuda"),
+    (["data=image_folder"], "data=image_folder needs data.root=PATH"),
+    (["data=image_folder", "data.root=/does/not/exist"], "data.root=/does/not/exist: no such directory"),
+    (["model=inception_v3", "data.image_size=64"], "data.image_size=64: model=inception_v3 needs at least 299 px"),
+    (["precision=fp9"], "precision=fp9: unknown choice; precision is one of:"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_bad_config_is_rejected_before_any_work(overrides, message):
+    with pytest.raises(MptrainError) as info:
+        validate(compose(overrides))
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,message", BAD[:4] + BAD[12:14])
+def test_cli_prints_one_line_and_exits_2(tmp_path, overrides, message):
+    r = run_cli(*overrides, f"hydra.run.dir={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"mptrain: error: {validate_message(overrides)}"
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "summary.json").exists()  # nothing started
+
+
+def validate_message(overrides):
+    try:
+        validate(compose(overrides))
+    except MptrainError as exc:
+        return str(exc)
+    raise AssertionError("expected an error")
+
+
+def test_empty_data_root_is_rejected(tmp_path):
+    with pytest.raises(MptrainError, match="the directory is empty"):
+        validate(compose(["data=cifar10", f"data.root={tmp_path}"]))
+
+
+def test_help_lists_groups_and_choices():
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for line in ("model       alexnet, googlenet, inception_v3, resnet50*, vgg16",
+                 "precision   amp_bf16, amp_fp16, bf16_pure, fp16_master, fp32*, fp8, mixed, tf32",
+                 "loss_scale  adaptive, auto*, dynamic, enhanced, none, static"):
+        assert line in r.stdout
+    assert "trainer: max_steps=None" in r.stdout

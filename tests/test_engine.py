@@ -1,0 +1,154 @@
+"""The one engine, through the real Hydra composition: every model and precision, the
+summary.json contract, TensorBoard tags, exact resume, divergence handling."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, run_job, tiny
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mptrain import checkpoint
+from mptrain.errors import DivergedError, MptrainError
+from mptrain.models import list_models
+
+SUMMARY_KEYS = {
+    "status", "model", "data", "precision", "precision_resolved", "loss_scale", "device", "world_size",
+    "steps", "final_loss", "metrics", "throughput", "peak_memory_bytes", "skipped_steps",
+    "final_loss_scale", "wall_time_s", "versions",
+}
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16", "amp_fp16"])
+@pytest.mark.parametrize("model", list_models(task="classification"))
+def test_every_model_trains_in_every_basic_precision(tmp_path, model, precision):
+    s = run_job(tmp_path, *tiny(model, f"precision={precision}", "trainer.max_steps=2"))
+    assert s["status"] == "completed" and s["steps"] == 2
+    assert math.isfinite(s["final_loss"])
+    assert 0 <= s["metrics"]["top1"] <= 100 and s["metrics"]["top5"] >= s["metrics"]["top1"]
+    # amp_fp16 is paired with dynamic scaling by loss_scale=auto; the others need none.
+    assert s["loss_scale"] == ("dynamic" if precision == "amp_fp16" else "none")
+
+
+def test_summary_contract_and_tensorboard_tags(tmp_path):
+    s = run_job(tmp_path, *tiny("resnet50", "precision=amp_fp16", "trainer.max_steps=4"))
+    assert s.keys() >= SUMMARY_KEYS
+    assert s["precision_resolved"] == "amp_fp16" and s["device"] == "cpu" and s["world_size"] == 1
+    assert s["peak_memory_bytes"] is None  # CPU
+    assert s["final_loss_scale"] in (2.0**16, 2.0**15, 2.0**14, 2.0**13, 2.0**12)
+    assert s["versions"]["torch"] == torch.__version__
+    assert s["throughput"] > 0
+    tags = scalars(tmp_path)
+    for tag in ("train/loss", "train/lr", "train/loss_scale", "train/skipped_steps", "train/throughput",
+                "train/step_time", "train/overflow", "val/top1", "val/top5"):
+        assert tag in tags, tag
+    # Loss and scale are logged for every step, though read back once per logging window.
+    assert [step for step, _ in tags["train/loss"]] == [1, 2, 3, 4]
+    assert tags["train/loss"][-1][1] == pytest.approx(s["final_loss"])
+    assert tags["train/loss_scale"][-1][1] == s["final_loss_scale"]
+    assert tags["train/skipped_steps"][-1][1] == s["skipped_steps"]
+    # The HParams record carries the run's choices.
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert any(t == "hparam/val/top1" for t in acc.Tags()["scalars"])
+
+
+def test_mixed_resolves_on_cpu_and_records_it(tmp_path):
+    s = run_job(tmp_path, *tiny("resnet50", "precision=mixed", "trainer.max_steps=2"))
+    assert s["precision"] == "mixed" and s["precision_resolved"] == "amp_bf16"
+    assert "CPU" in s["precision_detail"]["note"]
+
+
+def test_resume_continues_the_loss_curve_exactly(tmp_path):
+    common = [*tiny("alexnet"), "trainer.max_steps=6", "trainer.log_every=1", "optim.lr=0.01"]
+    full = tmp_path / "full"
+    run_job(full, *common, "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5")
+    ckpt = checkpoint.list_checkpoints(full)
+    assert [p.name for p in ckpt] == ["step_00000003.pt", "step_00000006.pt"]
+    resumed = tmp_path / "resumed"
+    s = run_job(resumed, *common, f"trainer.resume={ckpt[0]}")
+    assert s["resumed_from"] == str(ckpt[0]) and s["steps"] == 6
+    a = dict(scalars(full)["train/loss"])
+    b = dict(scalars(resumed)["train/loss"])
+    assert sorted(b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert b[step] == a[step], f"step {step}: {b[step]} != {a[step]}"  # bit-exact in FP32 on CPU
+
+
+def test_resume_auto_picks_the_run_dirs_latest(tmp_path):
+    args = [*tiny("resnet50"), "trainer.checkpoint_every=2"]
+    run_job(tmp_path, *args, "trainer.max_steps=2")
+    s = run_job(tmp_path, *args, "trainer.max_steps=4", "trainer.resume=auto")
+    assert s["resumed_from"].endswith("step_00000002.pt") and s["steps"] == 4
+
+
+def test_checkpoint_is_safe_to_load_and_complete(tmp_path):
+    run_job(tmp_path, *tiny("resnet50", "precision=amp_fp16", "trainer.max_steps=2"))
+    path = checkpoint.list_checkpoints(tmp_path)[-1]
+    state = torch.load(path, weights_only=True)  # no pickled code needed
+    assert state["step"] == 2 and state["model_name"] == "resnet50"
+    assert {"modules", "optimizers", "schedulers", "scalers", "rng", "config"} <= state.keys()
+    assert state["scalers"]["model"]["policy"] == "dynamic"
+    assert not list(path.parent.glob("*.tmp"))  # atomic write left no temp file
+
+
+def test_grad_accum_multiplies_the_global_batch(tmp_path):
+    s = run_job(tmp_path, *tiny("resnet50", "trainer.grad_accum=2", "trainer.max_steps=2"))
+    assert s["global_batch_size"] == 8 and s["steps"] == 2
+
+
+def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
+    args = [*tiny("alexnet"), "trainer.max_steps=40", "trainer.checkpoint_every=1", "trainer.log_every=1",
+            "trainer.max_nonfinite_steps=2", "optim.lr=1e12", "trainer.keep_checkpoints=50"]
+    with pytest.raises(DivergedError, match="non-finite for 2 consecutive steps"):
+        run_job(tmp_path, *args)
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["steps"] < 40
+    ckpts = checkpoint.list_checkpoints(tmp_path)
+    assert ckpts, "at least the first step's weights were finite"
+    last = torch.load(ckpts[-1], weights_only=True)
+    assert all(torch.isfinite(t).all() for t in last["modules"]["model"].values() if t.is_floating_point())
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=1"))
+    ckpt = checkpoint.list_checkpoints(tmp_path / "a")[-1]
+    with pytest.raises(MptrainError, match="belongs to model=alexnet"):
+        run_job(tmp_path / "b", *tiny("resnet50", f"trainer.resume={ckpt}"))
+
+
+def test_checkpoint_of_another_width_is_refused(tmp_path):
+    run_job(tmp_path / "a", *tiny("resnet50", "trainer.max_steps=1"))
+    ckpt = checkpoint.list_checkpoints(tmp_path / "a")[-1]
+    with pytest.raises(MptrainError, match="does not fit"):
+        run_job(tmp_path / "b", *tiny("resnet50", "model.width_divisor=4", f"trainer.resume={ckpt}"))
+
+
+def test_corrupt_checkpoint_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint at all")
+    r = run_cli(*tiny("resnet50", f"trainer.resume={bad}", f"hydra.run.dir={tmp_path / 'run'}"))
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("mptrain: error: trainer.resume=") and "not a readable" in err[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_end_to_end_writes_the_run_directory(tmp_path):
+    run = tmp_path / "run"
+    r = run_cli(*tiny("resnet50", "precision=mixed", "trainer.max_steps=2"), f"hydra.run.dir={run}")
+    assert r.returncode == 0, r.stderr
+    assert (run / ".hydra" / "config.yaml").is_file()
+    assert "resolved to amp_bf16" in (run / "train.log").read_text()
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+    assert "mptrain: completed" in r.stdout  # the rich summary table

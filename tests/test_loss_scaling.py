@@ -1,0 +1,168 @@
+"""Each loss-scaling policy's state machine, on scripted overflow sequences, through the real
+optimizer path (scale -> backward -> unscale_ -> step -> update)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from mptrain.errors import DivergedError, MptrainError
+from mptrain.loss_scaling import (
+    DynamicScaler,
+    EnhancedScaler,
+    NoScaler,
+    StaticScaler,
+    build_scaler,
+    resolve_policy,
+)
+
+CPU = torch.device("cpu")
+
+
+def drive(scaler, overflows: list[bool], *, grad: float = 1.0):
+    """Run one parameter through the scaler for each step; inject Inf where asked.
+
+    Returns (scales after each update, found_inf per step, parameter after each step)."""
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scales, infs, values = [], [], []
+    for overflow in overflows:
+        opt.zero_grad()
+        loss = (p * grad).sum()
+        scaler.scale(loss).backward()
+        if overflow:
+            p.grad.fill_(math.inf)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.scale_value))
+        infs.append(float(scaler.found_inf))
+        values.append(p.item())
+    return scales, infs, values
+
+
+def torch_reference(overflows: list[bool], **kwargs) -> list[float]:
+    """torch.amp.GradScaler's own trajectory on the same sequence."""
+    gs = torch.amp.GradScaler("cpu", **kwargs)
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = torch.optim.SGD([p], lr=0.1)
+    out = []
+    for overflow in overflows:
+        opt.zero_grad()
+        gs.scale(p.sum()).backward()
+        if overflow:
+            p.grad.fill_(math.inf)
+        gs.step(opt)
+        gs.update()
+        out.append(gs.get_scale())
+    return out
+
+
+def test_none_never_scales_or_skips():
+    scales, infs, values = drive(NoScaler(CPU), [False, False])
+    assert scales == [1.0, 1.0] and infs == [0.0, 0.0]
+    assert values == pytest.approx([0.9, 0.8])
+
+
+def test_static_skips_overflow_and_keeps_scale():
+    scaler = StaticScaler(CPU, scale=8.0)
+    scales, infs, values = drive(scaler, [False, True, False])
+    assert scales == [8.0, 8.0, 8.0]
+    assert infs == [0.0, 1.0, 0.0]
+    # The gradient the optimizer saw was unscaled (1.0, not 8.0), and step 2 was skipped.
+    assert values == pytest.approx([0.9, 0.9, 0.8])
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        [True] * 3 + [False] * 7 + [True] + [False] * 9,
+        [False] * 5 + [True, True] + [False] * 12 + [True],
+        [i % 3 == 0 for i in range(25)],
+    ],
+)
+def test_dynamic_defaults_match_gradscaler(pattern):
+    kw = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
+    ours, _, _ = drive(DynamicScaler(CPU, **kw), pattern)
+    assert ours == torch_reference(pattern, **kw)
+
+
+def test_dynamic_full_defaults_match_gradscaler_long_run():
+    pattern = [False] * 2100 + [True] + [False] * 10
+    ours, _, _ = drive(DynamicScaler(CPU), pattern)
+    ref = torch_reference(pattern)
+    assert ours == ref
+    assert ref[2099] == 2.0**17  # it grew once after 2000 clean steps
+
+
+def test_dynamic_hysteresis_delays_backoff():
+    scaler = DynamicScaler(CPU, init_scale=64.0, growth_interval=100, hysteresis=3)
+    scales, infs, _ = drive(scaler, [True, True, True, True, False, True])
+    # Two overflows are tolerated, the third backs off (budget refills), the fourth is tolerated.
+    assert scales == [64.0, 64.0, 32.0, 32.0, 32.0, 32.0]
+    assert infs == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+
+
+def test_dynamic_consecutive_hysteresis_refills_after_clean_step():
+    scaler = DynamicScaler(CPU, init_scale=64.0, growth_interval=100, hysteresis=2, consecutive_hysteresis=True)
+    scales, _, _ = drive(scaler, [True, False, True, False, True, True])
+    assert scales == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0]
+
+
+def test_dynamic_floor_clamps_and_cap_limits():
+    scaler = DynamicScaler(CPU, init_scale=16.0, growth_interval=1, min_scale=4.0, max_scale=64.0)
+    scales, _, _ = drive(scaler, [True] * 4 + [False] * 5)
+    assert scales == [8.0, 4.0, 4.0, 4.0, 8.0, 16.0, 32.0, 64.0, 64.0]
+
+
+def test_dynamic_floor_error_stops_the_run():
+    scaler = DynamicScaler(CPU, init_scale=4.0, min_scale=2.0, on_min_scale="error")
+    drive(scaler, [True])
+    scaler.check()  # 2.0 reached exactly: still fine
+    drive(scaler, [True])
+    with pytest.raises(DivergedError, match=r"min_scale=2\.0"):
+        scaler.check()
+
+
+def test_enhanced_floor_rises_on_schedule():
+    scaler = EnhancedScaler(CPU, min_scale_schedule={0: 1.0, 3: 16.0}, init_scale=64.0, growth_interval=100)
+    scales, _, _ = drive(scaler, [True] * 6)
+    # Before step 3 the floor is 1 (64 -> 32 -> 16 -> 8); from step 3 on it is 16.
+    assert scales == [32.0, 16.0, 8.0, 16.0, 16.0, 16.0]
+    assert scaler.summary()["min_scale"] == 16.0
+
+
+def test_state_dict_roundtrip_continues_trajectory():
+    pattern = [False, True, False, False, False, True, False, False]
+    full, _, _ = drive(DynamicScaler(CPU, init_scale=256.0, growth_interval=3, hysteresis=2), pattern)
+    first = DynamicScaler(CPU, init_scale=256.0, growth_interval=3, hysteresis=2)
+    a, _, _ = drive(first, pattern[:4])
+    second = DynamicScaler(CPU, init_scale=256.0, growth_interval=3, hysteresis=2)
+    second.load_state_dict(first.state_dict())
+    b, _, _ = drive(second, pattern[4:])
+    assert a + b == full
+
+
+def test_policy_mismatch_in_checkpoint_is_a_clear_error():
+    with pytest.raises(MptrainError, match="loss_scale='static'"):
+        DynamicScaler(CPU).load_state_dict(StaticScaler(CPU, 8.0).state_dict())
+
+
+def test_auto_resolution():
+    assert resolve_policy("auto", "amp_fp16") == "dynamic"
+    assert resolve_policy("auto", "fp16_master") == "dynamic"
+    assert resolve_policy("auto", "amp_bf16") == "none"
+    assert resolve_policy("auto", "fp32") == "none"
+    assert resolve_policy("auto", "fp8", "emulated") == "enhanced"
+    assert resolve_policy("static", "fp32") == "static"
+
+
+def test_build_from_config():
+    cfg = OmegaConf.create({"name": "dynamic", "init_scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                            "growth_interval": 10, "hysteresis": 2, "consecutive_hysteresis": False,
+                            "min_scale": None, "on_min_scale": "clamp", "max_scale": None})
+    scaler = build_scaler(cfg, "dynamic", CPU)
+    assert isinstance(scaler, DynamicScaler) and scaler.hysteresis == 2 and float(scaler.scale_value) == 8.0

@@ -1,0 +1,114 @@
+"""The precision object: mode resolution, storage casts, master weights, stochastic rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from mptrain.errors import MptrainError
+from mptrain.precision import MasterWeights, build_precision, stochastic_round_to_bf16
+
+CPU = torch.device("cpu")
+
+
+def prec(name: str, **opts):
+    return build_precision(OmegaConf.create({"name": name, **opts}), CPU)
+
+
+def test_mixed_resolves_to_bf16_on_cpu_and_says_why():
+    p = prec("mixed")
+    assert p.resolved == "amp_bf16" and p.autocast_dtype == torch.bfloat16
+    assert "CPU" in p.note
+
+
+def test_fp32_turns_tf32_off_and_tf32_on():
+    p = prec("fp32")
+    p.configure_backends()
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+    prec("tf32").configure_backends()
+    assert torch.backends.cuda.matmul.allow_tf32 is True
+    p.configure_backends()  # leave the process as a true FP32 baseline
+
+
+@pytest.mark.parametrize("name,dtype", [("amp_fp16", torch.float16), ("amp_bf16", torch.bfloat16)])
+def test_autocast_computes_matmul_in_half_but_loss_and_bn_statistics_in_fp32(name, dtype):
+    p = prec(name)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    bn = nn.BatchNorm1d(8)
+    with p.autocast():
+        y = x @ w
+        loss = nn.functional.cross_entropy(y, torch.zeros(4, dtype=torch.long))
+        bn(y)
+    assert y.dtype == dtype
+    # Reductions stay FP32: the softmax cross-entropy (torch.autocast's FP32 op list on every
+    # device) and batch-norm running statistics.
+    assert loss.dtype == torch.float32
+    assert bn.running_var.dtype == torch.float32 and torch.isfinite(bn.running_var).all()
+
+
+def test_fp16_master_stores_fp16_weights_but_fp32_batchnorm():
+    p = prec("fp16_master")
+    model = p.prepare_model(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2)))
+    assert model[0].weight.dtype == torch.float16
+    assert model[1].weight.dtype == torch.float32 and model[1].running_var.dtype == torch.float32
+    groups, master = p.master_weights([{"params": list(model[:2].parameters())}])
+    assert master is not None
+    # The optimizer owns FP32 masters for the FP16 conv, and the BN parameters themselves.
+    assert all(t.dtype == torch.float32 for g in groups for t in g["params"])
+    assert groups[0]["params"][0] is not model[0].weight
+
+
+def test_master_weights_keep_updates_that_fp16_weights_lose():
+    """Micikevicius et al.: 1e-4 updates are below half an FP16 ulp at 1.0 (2^-11 ~ 4.9e-4)."""
+    fp16_only = torch.tensor([1.0], dtype=torch.float16)
+    for _ in range(1000):
+        fp16_only -= torch.tensor([1e-4], dtype=torch.float16)
+    assert fp16_only.item() == 1.0  # never moves
+
+    w = nn.Parameter(torch.tensor([1.0], dtype=torch.float16))
+    master = MasterWeights([w])
+    opt = torch.optim.SGD([master.swap(w)], lr=1.0)
+    for _ in range(1000):
+        w.grad = torch.tensor([1e-4], dtype=torch.float16)
+        master.before_unscale()
+        opt.step()
+        master.after_step()
+    assert master.masters[0].item() == pytest.approx(0.9, abs=2e-3)
+    assert w.item() == pytest.approx(0.9, abs=1e-3)  # the FP16 copy follows the master
+
+
+def test_stochastic_rounding_to_bf16_is_unbiased():
+    x = torch.full((200_000,), 1.0 + 2.0**-9)  # a quarter of the way between bf16 1.0 and 1+2^-7
+    rounded = stochastic_round_to_bf16(x, generator=torch.Generator().manual_seed(0)).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
+    assert rounded.mean().item() == pytest.approx(x[0].item(), abs=2e-5)
+    assert x.to(torch.bfloat16).float().mean().item() == 1.0  # nearest rounding is biased
+
+
+def test_bf16_pure_with_stochastic_rounding_moves_weights_nearest_would_not():
+    p = prec("bf16_pure", stochastic_rounding=True)
+    lin = p.prepare_model(nn.Linear(1, 1, bias=False))
+    lin.weight.data.fill_(1.0)
+    assert lin.weight.dtype == torch.bfloat16
+    groups, master = p.master_weights([{"params": [lin.weight]}])
+    opt = torch.optim.SGD(groups, lr=1.0)
+    torch.manual_seed(0)
+    for _ in range(2000):
+        lin.weight.grad = torch.full_like(lin.weight, 1e-4)
+        master.before_unscale()
+        opt.step()
+        master.after_step()
+    # Expected 1 - 0.2 = 0.8; with round-to-nearest each 1e-4 update is lost and it stays at 1.0.
+    assert lin.weight.float().item() == pytest.approx(0.8, abs=0.03)
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(MptrainError, match="unknown mode"):
+        prec("fp4")
+
+
+def test_torchao_fp8_needs_cuda():
+    with pytest.raises(MptrainError, match="needs a CUDA GPU"):
+        prec("fp8", backend="torchao")
