@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_wheel_contains_every_config_and_the_console_scripts(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         str(ROOT)],
         check=True, capture_output=True,
     )
     wheel = next(tmp_path.glob("mptrain-*.whl"))
