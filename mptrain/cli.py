@@ -36,12 +36,21 @@ def fail(message: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def _run(cfg: DictConfig) -> float | None:
-    from mptrain.engine import train  # torch import: only once the config is known to be good
+    from mptrain.engine import Interrupted, train  # torch: only once the config is known to be good
 
     multirun = HydraConfig.get().mode.name == "MULTIRUN"
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         validate(cfg)
-        summary = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        summary = train(cfg, run_dir)
+    except Interrupted as exc:
+        print(
+            f"mptrain: {exc}; checkpoint saved. Resume with: hydra.run.dir={run_dir} trainer.resume=auto",
+            file=sys.stderr,
+        )
+        if multirun:
+            return None
+        sys.exit(128 + exc.signum)
     except MptrainError as exc:
         if multirun:  # one bad job must not end the sweep; its summary.json says why
             log.error("mptrain: error: %s", exc)

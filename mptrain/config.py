@@ -10,12 +10,14 @@ instead of silently ignored.
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from mptrain.errors import MptrainError, check
 
@@ -191,7 +193,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     seed: int = 0
     device: str = "auto"  # auto | cpu | cuda
-    resume: str | None = None  # null | auto | PATH (a checkpoint file or a run dir)
+    resume: str | None = "auto"  # null | auto (this run dir's latest, if any) | PATH (a file or run dir)
     grad_clip: float | None = None  # max global norm, applied to unscaled gradients
     grad_accum: int = 1  # micro-batches per optimizer step
     channels_last: bool = False
@@ -230,8 +232,20 @@ SCHEMAS: dict[str, dict[str, type]] = {
 }
 
 
+def _run_stamp() -> str:
+    """The run directory's time stamp. Every rank of a torchrun or SLURM job must land in the same
+    directory, and ranks start at slightly different times: there, use the job's id instead."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(var, "none")
+        if value != "none":
+            return f"{time.strftime('%Y-%m-%d')}_{value[:12]}"
+    return time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def register_configs() -> None:
     """Store the schemas so that YAML files can name them in their defaults lists."""
+    if not OmegaConf.has_resolver("mptrain_stamp"):
+        OmegaConf.register_new_resolver("mptrain_stamp", _run_stamp, use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="mptrain_schema", node=Config)
     for group, schemas in SCHEMAS.items():

@@ -20,12 +20,14 @@ measured over the whole window.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import platform
 import random
+import signal
 import statistics
 import time
 import warnings
@@ -38,7 +40,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from mptrain import __version__, checkpoint
+from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.loss_scaling import DynamicScaler, LossScaler, build_scaler, resolve_policy
@@ -49,13 +51,26 @@ from mptrain.tasks import Objective, Task, build_task
 log = logging.getLogger("mptrain")
 
 
-def resolve_device(name: str) -> torch.device:
-    """``trainer.device``: auto (CUDA when available), cpu or cuda."""
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """``trainer.device``: auto (CUDA when available), cpu or cuda (this rank's GPU)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise MptrainError("trainer.device=cuda: no CUDA device is available (use auto or cpu)")
-    return torch.device(name)
+    return torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
+
+
+class Interrupted(Exception):
+    """A stop signal (SIGTERM/SIGUSR1/SIGUSR2) arrived; a checkpoint was written at this step."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        super().__init__(f"stopped by signal {signum} at step {step}")
+        self.signum, self.step = signum, step
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module inside a DistributedDataParallel wrapper (checkpoints hold unwrapped names)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 def seed_everything(seed: int) -> None:
@@ -88,7 +103,12 @@ class Engine:
         self.cfg = cfg
         self.run_dir = run_dir
         t = cfg.trainer
-        self.device = resolve_device(t.device)
+        wanted = resolve_device(t.device)
+        self.dist = distributed.init(wanted.type)
+        self.device = resolve_device(t.device, self.dist.local_rank)
+        if not self.dist.is_main:
+            logging.getLogger().setLevel(logging.WARNING)  # one voice per job: rank 0's
+        # Every rank starts from the same weights (same seed); data shards differ by rank.
         seed_everything(t.seed)
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = t.cudnn_benchmark
@@ -124,7 +144,9 @@ class Engine:
         resume = checkpoint.resolve_resume(t.resume, run_dir)
         if resume is not None:
             self._load(resume)
-        self.logger = RunLogger(run_dir, self.total_steps, self.task.unit, start_step=self.step)
+        self.logger = RunLogger(run_dir, self.total_steps, self.task.unit, start_step=self.step,
+                                enabled=self.dist.is_main)
+        self.guard: distributed.PreemptionGuard | None = None
 
     # ---------------------------------------------------------------------------------- setup
 
@@ -135,6 +157,11 @@ class Engine:
         module = scaler.attach(module)
         if cfg.trainer.compile:
             module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
+        if self.dist.enabled:
+            # Gradients are averaged across ranks inside backward, so every rank sees the same
+            # Inf/NaN flags and makes the same skip and scale decision.
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
         self.task.modules[objective.module] = module
         groups = param_groups(module, cfg.optim.weight_decay, cfg.optim.no_decay_bn_bias)
         groups, master = self.precision.master_weights(groups)
@@ -155,10 +182,13 @@ class Engine:
             slot.optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=self.device)
             extras: dict[str, Tensor] = {}
-            for batch in micro_batches:
-                with self.precision.autocast():
-                    loss, extras = self.task.loss(slot.objective, batch)
-                slot.scaler.scale(loss / accum).backward()
+            for i, batch in enumerate(micro_batches):
+                # DDP: all-reduce gradients once per step, on the last micro-batch only.
+                sync = i == accum - 1 or not isinstance(slot.module, nn.parallel.DistributedDataParallel)
+                with contextlib.nullcontext() if sync else slot.module.no_sync():
+                    with self.precision.autocast():
+                        loss, extras = self.task.loss(slot.objective, batch)
+                    slot.scaler.scale(loss / accum).backward()
                 loss_sum += loss.detach().float()
             if slot.master is not None:
                 slot.master.before_unscale()
@@ -207,11 +237,12 @@ class Engine:
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 done = self.step >= self.total_steps
 
-                if self.step % t.log_every == 0 or done:
+                log_step = self.step % t.log_every == 0 or done
+                if log_step:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - t0
-                    rate = samples / elapsed
+                    rate = samples * self.dist.world_size / elapsed  # global throughput
                     windows.append(rate)
                     skipped_logged = self._flush(buffer, rate, elapsed / window_steps, skipped_logged)
                     buffer.clear()
@@ -226,16 +257,38 @@ class Engine:
                 if evaluate or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
+                if self._stop_requested(log_step):
+                    self.throughput_windows = windows
+                    if not (t.checkpoint_every and self.step % t.checkpoint_every == 0) and not done:
+                        self.save()
+                    raise Interrupted(self.guard.signum or signal.SIGTERM, self.step)
                 if done:
                     break
         self.throughput_windows = windows
+
+    def _stop_requested(self, log_step: bool) -> bool:
+        """A stop signal seen by any rank. Alone, every step (a host flag); with several ranks,
+        on logging steps, where the ranks agree through one small all-reduce."""
+        if self.guard is None:
+            return False
+        if not self.dist.enabled:
+            return self.guard.requested
+        if not log_step:
+            return False
+        flag = torch.tensor(float(self.guard.requested), device=self.device)
+        if bool(distributed.all_reduce(flag, "max")):
+            self.guard.signum = self.guard.signum or signal.SIGTERM
+            return True
+        return False
 
     def _flush(self, buffer: list[tuple[int, list[Tensor]]], rate: float, step_time: float,
                skipped_before: float) -> float:
         """The logging step: one host sync for the whole window, then TensorBoard and console."""
         logger = self.logger
         steps = [s for s, _ in buffer]
-        host = torch.stack([torch.cat(rows) for _, rows in buffer]).tolist()
+        window = torch.stack([torch.cat(rows) for _, rows in buffer])
+        # Ranks log the mean over the global batch (scale and overflow flags agree anyway).
+        host = distributed.all_reduce(window, "mean").tolist()
         skipped_total = skipped_before
         for step, values in zip(steps, host, strict=True):
             i = 0
@@ -277,7 +330,7 @@ class Engine:
                              "skipped": int(skipped_total), "throughput": rate, "extra": extra})
         self.task.log_media(logger, step)
         self.last_loss = last[0]
-        run = int(self.nonfinite_run)
+        run = int(distributed.all_reduce(self.nonfinite_run.clone(), "max"))
         if run >= self.cfg.trainer.max_nonfinite_steps:
             raise DivergedError(
                 f"loss was non-finite for {run} consecutive steps (trainer.max_nonfinite_steps="
@@ -294,7 +347,7 @@ class Engine:
             "task": self.cfg.model.get("task", "classification"),
             "model_name": self.cfg.model.name,
             "step": self.step,
-            "modules": {k: m.state_dict() for k, m in self.task.modules.items()},
+            "modules": {k: unwrap(m).state_dict() for k, m in self.task.modules.items()},
             "optimizers": {s.objective.name: s.optimizer.state_dict() for s in self.slots},
             "schedulers": {s.objective.name: s.scheduler.state_dict() for s in self.slots},
             "scalers": {s.objective.name: s.scaler.state_dict() for s in self.slots},
@@ -306,7 +359,9 @@ class Engine:
         }
 
     def save(self) -> None:
-        """Checkpoint atomically; never over a good checkpoint with non-finite weights."""
+        """Checkpoint atomically (rank 0); never over a good checkpoint with non-finite weights."""
+        if not self.dist.is_main:
+            return
         params = [p for m in self.task.modules.values() for p in m.parameters()]
         if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
             log.warning("step %d: weights are not finite; checkpoint not written", self.step)
@@ -325,7 +380,7 @@ class Engine:
             )
         try:
             for name, module in self.task.modules.items():
-                module.load_state_dict(state["modules"][name])
+                unwrap(module).load_state_dict(state["modules"][name])
             for s in self.slots:
                 name = s.objective.name
                 s.optimizer.load_state_dict(state["optimizers"][name])
@@ -367,9 +422,9 @@ class Engine:
             "loss_scale_state": {s.objective.name: s.scaler.summary() for s in self.slots},
             "device": str(self.device),
             "device_name": _device_name(self.device),
-            "world_size": 1,
+            "world_size": self.dist.world_size,
             "batch_size": cfg.data.batch_size,
-            "global_batch_size": cfg.data.batch_size * cfg.trainer.grad_accum,
+            "global_batch_size": cfg.data.batch_size * cfg.trainer.grad_accum * self.dist.world_size,
             "image_size": self.image_size,
             "steps": self.step,
             "total_steps": self.total_steps,
@@ -423,8 +478,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     engine: Engine | None = None
     status, error = "failed", None
+    guard = distributed.PreemptionGuard()
     try:
         engine = Engine(cfg, run_dir)
+        engine.guard = guard.__enter__()
         log.info(
             "%s on %s | %s (%s) | loss_scale %s | %d steps of %d %s",
             cfg.model.name, engine.device, cfg.precision.name, engine.precision.resolved,
@@ -432,6 +489,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         )
         engine.fit()
         status = "completed"
+    except Interrupted as exc:
+        status, error = "interrupted", str(exc)
+        raise
     except DivergedError as exc:
         status, error = "diverged", str(exc)
         raise
@@ -454,9 +514,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             summary = {"status": status, "error": error, "model": cfg.model.name, "data": cfg.data.name,
                        "precision": cfg.precision.name, "loss_scale": cfg.loss_scale.name,
                        "wall_time_s": wall, "versions": _versions(), "run_dir": str(run_dir)}
-        write_json(run_dir / "summary.json", summary)
+        if engine is None or engine.dist.is_main:
+            write_json(run_dir / "summary.json", summary)
         if engine is not None and status != "failed":
             engine.logger.summary_table(summary)
+        distributed.shutdown()
+        if status == "interrupted":
+            guard.finish()  # under submitit: its handler requeues the job
+        else:
+            guard.__exit__()
     return summary
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor
 
+from mptrain import distributed
 from mptrain.data import build_image_data
 from mptrain.models import create_model
 from mptrain.precision import Precision
@@ -37,6 +38,8 @@ class ClassificationTask(Task):
             device=device,
             seed=cfg.trainer.seed,
             channels_last=cfg.trainer.channels_last,
+            rank=distributed.env().rank,
+            world_size=distributed.env().world_size,
         )
         num_classes = cfg.model.num_classes or self.data.num_classes
         self.num_classes = num_classes
@@ -90,7 +93,9 @@ class ClassificationTask(Task):
             correct5 += hits.any(dim=1).sum()
             seen += labels.shape[0]
         model.train(was_training)
-        c1, c5, ls = torch.stack([correct1, correct5, loss_sum]).tolist()
+        # Each rank scored its own shard of the validation set: sum the counts over ranks.
+        totals = torch.stack([correct1, correct5, loss_sum, torch.tensor(float(seen), device=self.device)])
+        c1, c5, ls, seen = distributed.all_reduce(totals, "sum").tolist()
         seen = max(seen, 1)
         return {"top1": 100.0 * c1 / seen, "top5": 100.0 * c5 / seen, "loss": ls / seen}
 

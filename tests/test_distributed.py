@@ -1,0 +1,98 @@
+"""Data parallelism (2 CPU processes, gloo, through torchrun) and preemption: a real signal sent
+mid-run, then a resumed run that continues the original's curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+from test_engine import scalars
+
+from mptrain import checkpoint
+
+# AlexNet has no batch norm (whose per-rank statistics would differ from one big batch) and,
+# with dropout off, no randomness: two ranks must reproduce one process with the same global batch.
+DIGITS = ["model=alexnet", "model.width_divisor=8", "model.dropout=0", "data=digits", "data.image_size=64",
+          "data.num_workers=0", "trainer.max_steps=5", "trainer.log_every=1", "optim.lr=0.02", "sched=constant"]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
+         *DIGITS, "data.batch_size=8", f"hydra.run.dir={ddp}"],
+        capture_output=True, text=True, env=env(), timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "mptrain", *DIGITS, "data.batch_size=16", f"hydra.run.dir={single}"],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    s_ddp = json.loads((ddp / "summary.json").read_text())
+    s_one = json.loads((single / "summary.json").read_text())
+    assert s_ddp["world_size"] == 2 and s_ddp["global_batch_size"] == 16 and s_one["global_batch_size"] == 16
+    a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
+    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4, 5]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4)
+    # Validation counts are summed over both ranks' shards: the same accuracy as one process.
+    assert s_ddp["metrics"]["top1"] == pytest.approx(s_one["metrics"]["top1"], abs=0.1)
+    assert len(checkpoint.list_checkpoints(ddp)) == 1  # rank 0 alone writes
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    end = time.time() + timeout
+    while time.time() < end:
+        if path.exists() and text in path.read_text():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early: {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} never appeared in {path}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_checkpoints_and_the_resumed_run_continues_the_curve(tmp_path, sig):
+    run = tmp_path / "run"
+    args = ["model=resnet50", *TINY, "model.width_divisor=8", "data.image_size=32", "trainer.log_every=1",
+            "sched=constant", "optim.lr=0.02"]
+    proc = subprocess.Popen([sys.executable, "-m", "mptrain", *args, "trainer.max_steps=100000",
+                             f"hydra.run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env())
+    _wait_for(run / "train.log", "step 6 ", proc)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-2000:]
+    assert "checkpoint saved. Resume with:" in err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    stopped = summary["steps"]
+    assert checkpoint.list_checkpoints(run)[-1].name == f"step_{stopped:08d}.pt"
+
+    # Re-launch in the same run dir: trainer.resume=auto (the default) picks the checkpoint up.
+    total = stopped + 3
+    r = subprocess.run([sys.executable, "-m", "mptrain", *args, f"trainer.max_steps={total}", f"hydra.run.dir={run}"],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["status"] == "completed" and resumed["resumed_from"].endswith(f"step_{stopped:08d}.pt")
+
+    full = tmp_path / "full"
+    r = subprocess.run([sys.executable, "-m", "mptrain", *args, f"trainer.max_steps={total}", f"hydra.run.dir={full}"],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    continued = dict(scalars(run)["train/loss"])
+    reference = dict(scalars(full)["train/loss"])
+    for step in range(1, total + 1):
+        assert continued[step] == reference[step], step
