@@ -165,6 +165,8 @@ class Engine:
         self.task.modules[objective.module] = module
         groups = param_groups(module, cfg.optim.weight_decay, cfg.optim.no_decay_bn_bias)
         groups, master = self.precision.master_weights(groups)
+        if master is not None:
+            scaler.alias_params(master.model_params, master.masters)
         optimizer = build_optimizer(cfg.optim, groups, self.device)
         scheduler = build_scheduler(cfg.sched, optimizer, self.total_steps, self.steps_per_epoch)
         return Slot(objective, module, optimizer, scheduler, scaler, master)

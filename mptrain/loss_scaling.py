@@ -41,6 +41,12 @@ class LossScaler(ABC):
         """
         return module
 
+    def alias_params(self, model_params: list[Tensor], optimizer_params: list[Tensor]) -> None:  # noqa: B027
+        """The optimizer updates ``optimizer_params`` (FP32 masters) in place of ``model_params``.
+
+        Per-layer policies need this to know which layer's scale a master's gradient carries.
+        """
+
     @abstractmethod
     def scale(self, loss: Tensor) -> Tensor: ...
 

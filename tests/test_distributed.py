@@ -51,6 +51,48 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     assert len(checkpoint.list_checkpoints(ddp)) == 1  # rank 0 alone writes
 
 
+def test_adaptive_scales_agree_across_ranks(tmp_path):
+    """Per-layer scales come from each rank's own gradients; they are reduced to one value per
+    layer, or the all-reduced gradients would mix scales and the curve would leave the reference."""
+    ddp, single = tmp_path / "ddp", tmp_path / "single"
+    common = [*DIGITS, "loss_scale=adaptive", "trainer.max_steps=4"]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
+         *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
+        capture_output=True, text=True, env=env(), timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([sys.executable, "-m", "mptrain", *common, "data.batch_size=16", f"hydra.run.dir={single}"],
+                       capture_output=True, text=True, env=env(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    state = json.loads((ddp / "summary.json").read_text())["loss_scale_state"]["model"]
+    assert state["policy"] == "adaptive" and state["layer_scale_max"] > 1  # scales really applied
+    a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
+    for (_, x), (_, y) in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=1e-4)
+
+
+def _agree_worker(rank: int, init_file: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from mptrain.adaptive_scaling import AdaptiveScaler
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    scaler = AdaptiveScaler(torch.device("cpu"))
+    scaler.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    mine = torch.tensor(8.0 if rank == 0 else 2.0)  # each rank's own choice from its own gradients
+    Path(out, f"rank{rank}").write_text(str(float(scaler._agree(mine))))
+    dist.destroy_process_group()
+
+
+def test_adaptive_agreement_takes_the_minimum_over_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_agree_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2.0"
+
+
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120) -> None:
     end = time.time() + timeout
     while time.time() < end:
