@@ -41,6 +41,37 @@ class ClassifierModelConfig:
     dropout: float = 0.5
 
 
+@dataclass
+class LanguageModelConfig:
+    """A word-level LSTM language model (``model.task=language_model``); the vocabulary comes from
+    the data. ``proj_size`` > 0 gives LSTMP layers (Sak et al. 2014), as in bigLSTM."""
+
+    name: str = MISSING
+    task: str = "language_model"
+    emb_size: int = 200  # word embedding width
+    hidden_size: int = 200  # LSTM cells per layer
+    num_layers: int = 2
+    proj_size: int = 0  # 0: none; else each layer's output is projected to this size (< hidden_size)
+    dropout: float = 0.2  # on the embeddings, between layers and before the softmax
+    tie_weights: bool = True  # softmax weight = embedding; needs emb_size == (proj_size or hidden_size)
+    init_range: float = 0.1  # embedding (and softmax) weights ~ U(-init_range, init_range)
+
+
+@dataclass
+class DCGANConfig:
+    """Radford et al. 2015's DCGAN (``model.task=gan``): sizes are config, images are square."""
+
+    name: str = MISSING
+    task: str = "gan"
+    image_size: int = 64  # canonical size, used on CUDA when data.image_size is null (a power of 2)
+    cpu_image_size: int = 32  # used on CPU when data.image_size is null
+    nz: int = 100  # latent vector size
+    ngf: int = 64  # generator width (channels of its last hidden layer)
+    ndf: int = 64  # discriminator width (channels of its first layer)
+    sample_every: int = 500  # steps between fixed-noise sample grids in TensorBoard
+    num_samples: int = 64  # fixed-noise samples in the grid (and in samples.png)
+
+
 # --------------------------------------------------------------------------------------------
 # data
 
@@ -61,6 +92,12 @@ class DataConfig:
     pin_memory: bool = True
     prefetch_factor: int = 4
     max_val_batches: int | None = None  # null: the whole validation set
+    # Language models (data=synthetic_text | text_corpus | python_docs):
+    bptt: int = 35  # truncated BPTT length: tokens per row of a batch
+    vocab_size: int | None = None  # synthetic_text: its size; corpora: keep the most frequent (null: all)
+    train_tokens: int = 50_000  # synthetic_text: tokens in the training stream
+    val_tokens: int = 10_000  # synthetic_text: tokens in the validation stream
+    text_pattern: str = "phrases"  # synthetic_text: phrases (learnable) | uniform (i.i.d., nothing to learn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -217,7 +254,7 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"classifier": ClassifierModelConfig},
+    "model": {"classifier": ClassifierModelConfig, "language_model": LanguageModelConfig, "dcgan": DCGANConfig},
     "precision": {"base": PrecisionConfig, "bf16_pure": BF16PureConfig, "fp8": FP8PrecisionConfig},
     "loss_scale": {
         "base": LossScaleConfig,
@@ -393,3 +430,95 @@ def validate(cfg: DictConfig) -> None:
         check(ls.layer_cap >= 1, f"loss_scale.layer_cap={ls.layer_cap}: must be >= 1")
         check(ls.accum_cap >= 1, f"loss_scale.accum_cap={ls.accum_cap}: must be >= 1")
         _at_least(ls.recompute_every, 1, "loss_scale.recompute_every")
+    _validate_family(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# model families beyond classification: the combinations each one supports
+
+IMAGE_DATASETS = ("synthetic", "image_folder", "cifar10", "digits")
+TEXT_DATASETS = ("synthetic_text", "text_corpus", "python_docs")
+TASKS = ("classification", "language_model", "gan")
+
+
+def _validate_family(cfg: DictConfig) -> None:
+    """Checks that depend on ``model.task``: its own keys, and the data, precision and loss-scale
+    combinations that make no sense (or are not supported) for it. One line each."""
+    m, d = cfg.model, cfg.data
+    task = m.get("task", "classification")
+    _one_of(task, TASKS, "model.task")
+    if task == "classification":
+        check(
+            d.name not in TEXT_DATASETS,
+            f"data={d.name} is text; model={m.name} needs images: {', '.join(IMAGE_DATASETS)}",
+        )
+    elif task == "language_model":
+        _validate_language_model(cfg)
+    elif task == "gan":
+        _validate_gan(cfg)
+
+
+def _validate_language_model(cfg: DictConfig) -> None:
+    m, d = cfg.model, cfg.data
+    check(
+        d.name in TEXT_DATASETS,
+        f"data={d.name}: model={m.name} needs text data: {', '.join(TEXT_DATASETS)}",
+    )
+    for key in ("emb_size", "hidden_size", "num_layers"):
+        _at_least(m[key], 1, f"model.{key}")
+    _at_least(m.proj_size, 0, "model.proj_size")
+    check(
+        m.proj_size < m.hidden_size,
+        f"model.proj_size={m.proj_size}: must be below model.hidden_size={m.hidden_size} (0 disables it)",
+    )
+    check(0 <= m.dropout < 1, f"model.dropout={m.dropout}: must be in [0, 1)")
+    _positive(m.init_range, "model.init_range")
+    out = m.proj_size or m.hidden_size
+    # An explicit choice that cannot hold is an error rather than a silent untie.
+    check(
+        not m.tie_weights or m.emb_size == out,
+        f"model.tie_weights=true needs model.emb_size ({m.emb_size}) == the LSTM output size ({out}, "
+        "model.proj_size or model.hidden_size); set them equal or model.tie_weights=false",
+    )
+    _at_least(d.bptt, 1, "data.bptt")
+    _at_least(d.vocab_size, 3, "data.vocab_size", allow_none=True)  # <unk>, <eos> and one word
+    if d.name == "synthetic_text":
+        check(d.vocab_size is not None, "data=synthetic_text needs data.vocab_size (e.g. 10000)")
+        _at_least(d.train_tokens, 2, "data.train_tokens")
+        _at_least(d.val_tokens, 2, "data.val_tokens")
+        _one_of(d.text_pattern, ("phrases", "uniform"), "data.text_pattern")
+    if cfg.precision.name == "fp8":
+        raise MptrainError(
+            f"precision=fp8 with model={m.name}: FP8 converts nn.Linear/Conv layers only, so the LSTM's "
+            "gate matmuls would silently stay in higher precision; use amp_fp16, amp_bf16 or fp16_master"
+        )
+    if cfg.loss_scale.name == "adaptive":
+        raise MptrainError(
+            f"loss_scale=adaptive with model={m.name}: per-layer scales need a torch.fx graph of Conv/Linear "
+            "layers, and an nn.LSTM carrying its state across batches is neither; use dynamic or static "
+            "(bigLSTM used static 128)"
+        )
+
+
+def _validate_gan(cfg: DictConfig) -> None:
+    m, d = cfg.model, cfg.data
+    check(
+        d.name in IMAGE_DATASETS,
+        f"data={d.name}: model={m.name} needs images: {', '.join(IMAGE_DATASETS)}",
+    )
+    for key in ("nz", "ngf", "ndf", "sample_every", "num_samples"):
+        _at_least(m[key], 1, f"model.{key}")
+    sizes = {"model.image_size": m.image_size, "model.cpu_image_size": m.cpu_image_size}
+    if d.image_size is not None:
+        sizes["data.image_size"] = d.image_size
+    for key, size in sizes.items():
+        # The generator doubles a 4x4 map until it reaches the image size.
+        check(
+            size >= 8 and size & (size - 1) == 0,
+            f"{key}={size}: model={m.name} needs a power of two >= 8 (e.g. 32 or 64)",
+        )
+    if cfg.loss_scale.name == "adaptive":
+        raise MptrainError(
+            f"loss_scale=adaptive with model={m.name}: the generator's loss backpropagates through the "
+            "discriminator, whose per-layer scales belong to the discriminator's own loss; use dynamic or static"
+        )

@@ -91,7 +91,7 @@ def test_register_model_tags_tasks_and_refuses_duplicates(monkeypatch: pytest.Mo
         return nn.Linear(4, num_classes)
 
     assert "toy_lm" in list_models() and "toy_lm" not in list_models(task="classification")
-    assert list_models(task="language_model") == ["toy_lm"]
+    assert "toy_lm" in list_models(task="language_model")
     assert create_model(OmegaConf.create({"name": "toy_lm"}), 3).out_features == 3
     with pytest.raises(ValueError, match="registered twice"):
         models.register_model("toy_lm", task="language_model")(toy)

@@ -85,3 +85,9 @@ def build_image_data(
         build = vision.build_image_folder if name == "image_folder" else vision.build_cifar10
         return build(cfg, **common)
     raise MptrainError(f"data.name={name!r}: unknown dataset (allowed: {', '.join(DATASETS)})")
+
+
+# Language-model token streams (data=synthetic_text | text_corpus | python_docs).
+from mptrain.data.text import TEXT_DATASETS, TextData, build_text_data  # noqa: E402
+
+__all__ += ["TEXT_DATASETS", "TextData", "build_text_data"]

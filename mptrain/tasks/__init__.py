@@ -81,4 +81,12 @@ def build_task(cfg: DictConfig, device: torch.device, precision: Precision, imag
         from mptrain.tasks.classification import ClassificationTask
 
         return ClassificationTask(cfg, device, precision, image_size)
-    raise MptrainError(f"model.task={kind!r}: unknown task (classification)")
+    if kind == "language_model":
+        from mptrain.tasks.language_model import LanguageModelTask
+
+        return LanguageModelTask(cfg, device, precision)
+    if kind == "gan":
+        from mptrain.tasks.gan import GANTask
+
+        return GANTask(cfg, device, precision, image_size)
+    raise MptrainError(f"model.task={kind!r}: unknown task (classification, language_model, gan)")

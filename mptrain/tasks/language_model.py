@@ -1,0 +1,147 @@
+"""Word-level language modeling with truncated BPTT: the LSTMs of Micikevicius et al. 2017 (bigLSTM).
+
+The hidden state is carried from one batch to the next (row r of batch i + 1 continues row r of
+batch i, see :mod:`mptrain.data.text`) and detached, so gradients flow through ``data.bptt`` steps
+only. It is reset at the start of every epoch and saved in the checkpoint, so a resumed run
+continues with the very state the interrupted one had. Gradient clipping by norm is the engine's
+``trainer.grad_clip``, applied to unscaled gradients (the LM configs set 0.25).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+from torch import Tensor
+
+from mptrain import distributed
+from mptrain.data.text import TextBatch, build_text_data
+from mptrain.errors import MptrainError
+from mptrain.models import create_model
+from mptrain.precision import Precision
+from mptrain.tasks import Objective, Task
+
+log = logging.getLogger("mptrain")
+
+Hidden = tuple[Tensor, Tensor]
+
+
+def _detach(hidden: Hidden) -> Hidden:
+    return (hidden[0].detach(), hidden[1].detach())
+
+
+class LanguageModelTask(Task):
+    """Cross-entropy of the next token; perplexity = exp(mean loss per token).
+
+    Reads ``model.*`` (the LSTM, see :mod:`mptrain.models.lstm`), ``data.*`` (see
+    :func:`mptrain.data.text.build_text_data`) and ``trainer.seed``. Logs ``train/ppl`` beside the
+    loss; ``evaluate`` returns ``loss`` and ``ppl`` on the validation stream. Throughput is in
+    tokens (``batch_size`` x ``bptt`` per batch).
+    """
+
+    unit = "tokens"
+    primary_metric = "ppl"
+
+    def __init__(self, cfg: DictConfig, device: torch.device, precision: Precision) -> None:
+        self.device = device
+        self.precision = precision
+        env = distributed.env()
+        self.is_main = env.is_main
+        self.data = build_text_data(
+            cfg.data, device=device, seed=cfg.trainer.seed, rank=env.rank, world_size=env.world_size
+        )
+        self.vocab_size = self.data.vocab_size
+        model = create_model(cfg.model, self.vocab_size).to(device)
+        self.modules = {"model": model}
+        self.objectives = [Objective("model", "model")]
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.tied = bool(cfg.model.tie_weights)
+        self._hidden: Hidden | None = None
+
+    def steps_per_epoch(self) -> int:
+        return self.data.steps_per_epoch()
+
+    def train_batches(self, epoch: int, start: int = 0) -> Iterator[TextBatch]:
+        # A new epoch starts the stream over: the carried state would belong to its end. A resumed
+        # epoch (start > 0) keeps the state loaded from the checkpoint.
+        if start == 0:
+            self._hidden = None
+        return self.data.train_batches(epoch, start)
+
+    def batch_size(self, batch: TextBatch) -> int:
+        return batch[0].numel()
+
+    def loss(self, objective: Objective, batch: TextBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        inputs, targets = batch
+        logits, hidden = self.modules["model"](inputs, self._hidden)
+        # Truncated BPTT: the next batch starts from this state, but no gradient flows back into it.
+        self._hidden = _detach(hidden)
+        # The softmax and its sum over the vocabulary are reductions: FP32 whatever the logits are.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss, {"ppl": loss.detach().exp()}
+
+    @torch.no_grad()
+    def evaluate(self, precision: Precision) -> dict[str, float]:
+        """Loss per token and perplexity over the whole validation stream (at most
+        ``data.max_val_batches`` batches), the state carried from batch to batch; one host sync."""
+        model = self.modules["model"]
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        tokens = 0
+        hidden: Hidden | None = None
+        for inputs, targets in self.data.val_batches():
+            with precision.autocast():
+                logits, hidden = model(inputs, hidden)
+            loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+            tokens += targets.numel()
+        model.train(was_training)
+        # Each rank scored its own rows of the validation stream: sum over ranks.
+        totals = torch.stack([loss_sum, torch.tensor(float(tokens), device=self.device, dtype=torch.float64)])
+        total_loss, total_tokens = distributed.all_reduce(totals, "sum").tolist()
+        loss = total_loss / max(total_tokens, 1)
+        return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+
+    def describe(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "tied_softmax": self.tied, "parameters": self.num_params,
+                "data": self.data.describe()}
+
+    def state_dict(self) -> dict[str, Any]:
+        vocab = self.data.vocab
+        return {
+            "hidden": None if self._hidden is None else list(self._hidden),
+            "vocab_digest": None if vocab is None else vocab.digest(),
+            "vocab_size": self.vocab_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        vocab = self.data.vocab
+        digest = None if vocab is None else vocab.digest()
+        if state.get("vocab_digest") != digest or state.get("vocab_size") != self.vocab_size:
+            raise MptrainError(
+                f"trainer.resume: the checkpoint was trained on another vocabulary ({state.get('vocab_size')} "
+                f"words) than this run's data ({self.vocab_size} words, data={self.data.name})"
+            )
+        hidden = state.get("hidden")
+        if hidden is not None and hidden[0].shape[1] != self.data.batch_size:
+            raise MptrainError(
+                f"trainer.resume: the checkpoint carries an LSTM state for data.batch_size={hidden[0].shape[1]}, "
+                f"this run has data.batch_size={self.data.batch_size}"
+            )
+        self._hidden = None if hidden is None else (hidden[0].to(self.device), hidden[1].to(self.device))
+
+    def finish(self, run_dir: Any) -> None:
+        """vocab.json (id -> word) in the run dir: what the model's output rows mean."""
+        vocab = self.data.vocab
+        if vocab is None or not self.is_main:
+            return
+        try:
+            vocab.save(Path(run_dir) / "vocab.json", str(self.data.info.get("source", self.data.name)))
+        except OSError as exc:  # never mask the run's own outcome from the engine's finally block
+            log.warning("could not write vocab.json: %s", exc)
