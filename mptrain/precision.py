@@ -179,6 +179,7 @@ class Precision:
             "param_dtype": str(self.param_dtype).replace("torch.", ""),
             "allow_tf32": self.allow_tf32,
             "fp8": self.fp8,
+            "fp8_layers": self.fp8_state.describe() if self.fp8_state is not None else None,
             "note": self.note,
         }
 
