@@ -120,7 +120,7 @@ class Engine:
             log.info("precision: %s", self.precision.note)
 
         image_size = None
-        if cfg.model.get("task", "classification") == "classification":
+        if cfg.model.get("task", "classification") in ("classification", "gan"):
             image_size = cfg.data.image_size or (
                 cfg.model.image_size if self.device.type == "cuda" else cfg.model.cpu_image_size
             )
@@ -485,9 +485,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         engine = Engine(cfg, run_dir)
         engine.guard = guard.__enter__()
         log.info(
-            "%s on %s | %s (%s) | loss_scale %s | %d steps of %d %s",
-            cfg.model.name, engine.device, cfg.precision.name, engine.precision.resolved,
-            engine.policy, engine.total_steps, cfg.data.batch_size * cfg.trainer.grad_accum, engine.task.unit,
+            "%s on %s x%d | %s (%s) | loss_scale %s | %d steps, batch %d x %d micro-steps per device",
+            cfg.model.name, engine.device, engine.dist.world_size, cfg.precision.name, engine.precision.resolved,
+            engine.policy, engine.total_steps, cfg.data.batch_size, cfg.trainer.grad_accum,
         )
         engine.fit()
         status = "completed"

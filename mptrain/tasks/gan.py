@@ -122,8 +122,7 @@ class GANTask(Task):
 
     def __init__(self, cfg: DictConfig, device: torch.device, precision: Precision, image_size: int | None):
         m = cfg.model
-        if image_size is None:
-            image_size = cfg.data.image_size or (m.image_size if device.type == "cuda" else m.cpu_image_size)
+        assert image_size is not None, "the engine resolves the image size for image tasks"
         self.image_size = int(image_size)
         self.device = device
         self.precision = precision
