@@ -237,7 +237,8 @@ class _QuantizeError(torch.autograd.Function):
         ctx: Any, y: Tensor, fmt: Fp8Format, stochastic: bool, out_dtype: torch.dtype
     ) -> Tensor:
         ctx.y_dtype, ctx.fmt, ctx.stochastic = y.dtype, fmt, stochastic
-        return y.to(out_dtype) if y.dtype != out_dtype else y.view_as(y)
+        # A copy, not a view: the next op may be in place (VGG's and AlexNet's ReLU(inplace=True)).
+        return y.to(out_dtype) if y.dtype != out_dtype else y.clone()
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -435,3 +435,11 @@ def test_torchao_real() -> None:
     assert p.fp8_state.converted == ["0"]
     with p.autocast():
         model(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+
+
+def test_emulated_layer_output_can_be_modified_in_place() -> None:
+    """conv -> ReLU(inplace=True), as in VGG and AlexNet."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    model = fp8.convert_model(model, make_precision())
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
