@@ -22,7 +22,7 @@ from mptrain.config import register_configs, validate
 from mptrain.errors import MptrainError
 
 CONFIG_MODULE = "mptrain.configs"
-GROUPS = ("model", "data", "precision", "loss_scale", "optim", "sched")
+GROUPS = ("model", "data", "precision", "loss_scale", "optim", "sched", "telemetry")
 log = logging.getLogger("mptrain")
 
 
@@ -145,7 +145,7 @@ def choices(group: str) -> list[str]:
 def help_text() -> str:
     defaults = {}
     text = resources.files(CONFIG_MODULE).joinpath("config.yaml").read_text()
-    for group, name in re.findall(r"^\s*-\s*(\w+):\s*(\w+)\s*$", text, flags=re.M):
+    for group, name in re.findall(r"^\s*-\s*(\w+):\s*\"?(\w+)\"?\s*$", text, flags=re.M):
         defaults[group] = name
     lines = [
         "mptrain: mixed-precision training, one config switch away.",

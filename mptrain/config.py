@@ -217,6 +217,44 @@ class SchedConfig:
 
 
 # --------------------------------------------------------------------------------------------
+# gradient telemetry (mptrain/telemetry.py)
+
+
+@dataclass
+class TelemetryConfig:
+    """``telemetry.*``: what the gradient telemetry captures, and how often."""
+
+    name: str = "off"  # off | gradients
+    every: int = 50  # capture on steps divisible by this (K)
+    activations: bool = True  # hooks on the gradients at hooked layers' outputs
+    weights: bool = True  # the hooked layers' parameter gradients
+    shadow: bool = False  # recompute the captured batch in FP32 and count what the run lost
+    histogram: bool = True  # write log2|g| histograms to TensorBoard (the report uses them anyway)
+    max_layers: int | None = 16  # layers hooked, evenly spaced, first and last always; null: all
+    formats: list[str] = field(default_factory=lambda: ["auto"])  # auto | fp16 | bf16 | e5m2 | e4m3
+    max_underflow: float = 0.01  # at risk above this underflow/lost fraction; also the report's p
+    margin_bits: float = 1.0  # at risk below this headroom; the suggested scale keeps it
+
+
+TELEMETRY_FORMATS = ("auto", "fp16", "bf16", "e5m2", "e4m3")
+
+
+def check_telemetry(cfg: Any) -> None:
+    """Value checks for ``telemetry.*``. Raises MptrainError."""
+    check(cfg.name in ("off", "gradients"), f"telemetry.name={cfg.name!r}: must be one of off, gradients")
+    check(cfg.every >= 1, f"telemetry.every={cfg.every}: must be an integer >= 1")
+    check(
+        cfg.max_layers is None or cfg.max_layers >= 2,
+        f"telemetry.max_layers={cfg.max_layers}: must be >= 2 (first and last layer) or null",
+    )
+    check(len(cfg.formats) > 0, "telemetry.formats: name at least one format (auto, fp16, bf16, e5m2, e4m3)")
+    for f in cfg.formats:
+        check(f in TELEMETRY_FORMATS, f"telemetry.formats: {f!r} must be one of {', '.join(TELEMETRY_FORMATS)}")
+    check(0 <= cfg.max_underflow < 1, f"telemetry.max_underflow={cfg.max_underflow}: must be in [0, 1)")
+    check(cfg.margin_bits >= 0, f"telemetry.margin_bits={cfg.margin_bits}: must be >= 0")
+
+
+# --------------------------------------------------------------------------------------------
 # trainer and the whole config
 
 
@@ -250,6 +288,7 @@ class Config:
     optim: Any = MISSING
     sched: SchedConfig = MISSING
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    telemetry: TelemetryConfig = MISSING
     run_name: str = "${model.name}-${precision.name}"
 
 
@@ -266,6 +305,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "data": {"base": DataConfig},
     "sched": {"base": SchedConfig},
+    "telemetry": {"base": TelemetryConfig},
 }
 
 
@@ -422,6 +462,7 @@ def validate(cfg: DictConfig) -> None:
                 f"loss_scale.min_scale_schedule key {step!r}: must be a step number (>= 0)",
             )
             _positive(floor, f"loss_scale.min_scale_schedule[{step}]")
+    check_telemetry(cfg.telemetry)
     if ls.name == "adaptive":
         _positive(ls.init_scale, "loss_scale.init_scale")
         _positive(ls.u_min, "loss_scale.u_min")

@@ -21,6 +21,7 @@ measured over the whole window.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -47,6 +48,7 @@ from mptrain.loss_scaling import DynamicScaler, LossScaler, build_scaler, resolv
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
 from mptrain.precision import MasterWeights, Precision, build_precision
 from mptrain.tasks import Objective, Task, build_task
+from mptrain.telemetry import GradientTelemetry, build_telemetry
 
 log = logging.getLogger("mptrain")
 
@@ -90,6 +92,7 @@ class Slot:
     scaler: LossScaler
     master: MasterWeights | None
     extra_names: list[str] = field(default_factory=list)  # task metrics logged beside the loss
+    telemetry: GradientTelemetry | None = None  # telemetry=gradients
 
     @property
     def params(self) -> list[Tensor]:
@@ -135,6 +138,13 @@ class Engine:
             )
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         self.slots = [self._build_slot(obj) for obj in self.task.objectives]
+        if cfg.telemetry.shadow and self.dist.enabled and cfg.telemetry.name != "off":
+            raise MptrainError("telemetry.shadow=true: not supported with several ranks (use one process)")
+        for slot in self.slots:
+            slot.telemetry = build_telemetry(
+                cfg.telemetry, unwrap(slot.module), self.precision, slot.scaler,
+                modules=[unwrap(m) for m in self.task.modules.values()], tag=f"telemetry{self._suffix(slot)}",
+            )
 
         self.step = 0
         self.skipped = torch.zeros((), device=self.device)
@@ -184,14 +194,23 @@ class Engine:
             slot.optimizer.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=self.device)
             extras: dict[str, Tensor] = {}
+            # Telemetry (every telemetry.every steps) arms its hooks before the forward.
+            tel = slot.telemetry
+            watch = tel is not None and tel.active(self.step + 1)
+            shadow_state = self.task.state_dict() if watch and tel.shadow_on else None
             for i, batch in enumerate(micro_batches):
                 # DDP: all-reduce gradients once per step, on the last micro-batch only.
                 sync = i == accum - 1 or not isinstance(slot.module, nn.parallel.DistributedDataParallel)
                 with contextlib.nullcontext() if sync else slot.module.no_sync():
                     with self.precision.autocast():
                         loss, extras = self.task.loss(slot.objective, batch)
-                    slot.scaler.scale(loss / accum).backward()
+                    with tel.capture(self.step + 1) if watch else contextlib.nullcontext():
+                        slot.scaler.scale(loss / accum).backward()
                 loss_sum += loss.detach().float()
+            if watch:
+                tel.record_weight_grads()  # as stored: the loss scale still applied
+                if shadow_state is not None:
+                    tel.shadow(functools.partial(self._shadow_loss, slot, micro_batches[0], shadow_state, accum))
             if slot.master is not None:
                 slot.master.before_unscale()
             slot.scaler.unscale_(slot.optimizer)
@@ -217,6 +236,17 @@ class Engine:
                                      *(v.float() for v in extras.values())]))
             slot.extra_names = list(extras)
         return rows
+
+    def _shadow_loss(self, slot: Slot, batch: Any, state: dict[str, Any], accum: int) -> Tensor:
+        """The loss of the step's first micro-batch again, from the task state it started from
+        (the LM's carried hidden state); telemetry runs it with FP32 in place of the precision."""
+        after = self.task.state_dict()
+        self.task.load_state_dict(state)
+        try:
+            with self.precision.autocast():
+                return self.task.loss(slot.objective, batch)[0] / accum
+        finally:
+            self.task.load_state_dict(after)
 
     def fit(self) -> None:
         t = self.cfg.trainer
@@ -317,6 +347,8 @@ class Engine:
                     logger.histogram(f"loss_scale/{name}{self._suffix(slot)}", value.float().cpu(), step)
             if isinstance(slot.scaler, DynamicScaler):
                 slot.scaler.check()
+            if slot.telemetry is not None:
+                slot.telemetry.flush(logger, step)
         logger.scalar("train/throughput", rate, step)
         logger.scalar("train/step_time", step_time, step)
         if self.device.type == "cuda":
@@ -442,6 +474,7 @@ class Engine:
             "final_loss_scale": float(first.scaler.scale_value),
             "wall_time_s": wall,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+            "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "task": self.task.describe(),
             "versions": _versions(),
             "run_dir": str(self.run_dir),
@@ -520,6 +553,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
             write_json(run_dir / "summary.json", summary)
         if engine is not None and status != "failed":
             engine.logger.summary_table(summary)
+            for slot in engine.slots:
+                if slot.telemetry is not None:
+                    if engine.dist.is_main:
+                        engine.logger.console.print(slot.telemetry.table(summary["telemetry"][slot.objective.name]))
+                    slot.telemetry.close()
         distributed.shutdown()
         if status == "interrupted":
             guard.finish()  # under submitit: its handler requeues the job

@@ -152,3 +152,15 @@ def test_cli_end_to_end_writes_the_run_directory(tmp_path):
     assert "resolved to amp_bf16" in (run / "train.log").read_text()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert "mptrain: completed" in r.stdout  # the rich summary table
+
+
+def test_gradient_telemetry_through_the_engine(tmp_path):
+    s = run_job(tmp_path, *tiny("resnet50", "precision=amp_fp16", "telemetry=gradients", "telemetry.every=2",
+                                "telemetry.shadow=true", "trainer.max_steps=4"))
+    report = s["telemetry"]["model"]
+    assert report["layers"] and "at_risk" in report and report["suggested_scale"]
+    tags = scalars(tmp_path)
+    act = [t for t in tags if t.startswith("telemetry/") and t.endswith("/act_grad/zero_frac")]
+    assert act, sorted(tags)[:20]
+    assert [step for step, _ in tags[act[0]]] == [2, 4]  # captured every 2 steps
+    assert any(t.endswith("/lost_frac") for t in tags)  # the FP32 shadow pass ran
