@@ -714,13 +714,19 @@ class AdaptiveScaler(LossScaler):
         if idx.numel() == 0:
             return {}
         s = self._s.index_select(0, idx)
-        return {
+        cum = self._P.index_select(0, idx)
+        out = {
             "layer_scale": s,
-            "cum_scale": self._P.index_select(0, idx),
+            "cum_scale": cum,
             "layer_scale_min": s.min(),
             "layer_scale_max": s.max(),
             "layer_scale_mean": s.mean(),
         }
+        # Scalars for a few layers (first, last and two between): curves to follow in TensorBoard.
+        names = self.layer_names
+        for i in sorted({round(k * (len(names) - 1) / 3) for k in range(4)}):
+            out[f"cum_scale/{names[i]}"] = cum[i]
+        return out
 
     def summary(self) -> dict[str, Any]:
         names = self.layer_names

@@ -221,11 +221,7 @@ class Engine:
             if slot.master is not None:
                 slot.master.after_step()
             self.precision.after_step()
-            with warnings.catch_warnings():
-                # A skipped first step makes torch warn that the scheduler stepped before the
-                # optimizer; the schedule is indexed by trainer step on purpose (see optim.py).
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-                slot.scheduler.step()
+            slot.scheduler.step()
             loss_mean = loss_sum / accum
             self.skipped += slot.scaler.found_inf
             self.nonfinite_run = torch.where(
@@ -249,6 +245,13 @@ class Engine:
             self.task.load_state_dict(after)
 
     def fit(self) -> None:
+        with warnings.catch_warnings():
+            # A skipped first step makes torch warn that the scheduler stepped before the
+            # optimizer; the schedule is indexed by trainer step on purpose (see optim.py).
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self._fit()
+
+    def _fit(self) -> None:
         t = self.cfg.trainer
         logger = self.logger
         windows: list[float] = []
@@ -281,17 +284,18 @@ class Engine:
                     t0, samples, window_steps = time.perf_counter(), 0, 0
                 evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
                     t.eval_every is None and end_of_epoch) or done
+                checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
                 if evaluate:
                     self.metrics = self.task.evaluate(self.precision)
                     logger.eval(self.step, self.metrics)
-                if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or done:
+                if checkpoint_now:
                     self.save()
-                if evaluate or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                if evaluate or checkpoint_now:
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
                 if self._stop_requested(log_step):
                     self.throughput_windows = windows
-                    if not (t.checkpoint_every and self.step % t.checkpoint_every == 0) and not done:
+                    if not checkpoint_now:
                         self.save()
                     raise Interrupted(self.guard.signum or signal.SIGTERM, self.step)
                 if done:
