@@ -164,3 +164,18 @@ def test_gradient_telemetry_through_the_engine(tmp_path):
     assert act, sorted(tags)[:20]
     assert [step for step, _ in tags[act[0]]] == [2, 4]  # captured every 2 steps
     assert any(t.endswith("/lost_frac") for t in tags)  # the FP32 shadow pass ran
+
+
+def test_resume_continues_the_loss_scale_trajectory(tmp_path):
+    """The scaler's state is in the checkpoint: a resumed amp_fp16 run follows the same scale curve."""
+    common = [*tiny("alexnet", "precision=amp_fp16"), "loss_scale=dynamic", "loss_scale.growth_interval=2",
+              "loss_scale.init_scale=1024", "trainer.max_steps=6", "trainer.log_every=1", "optim.lr=0.01"]
+    full = tmp_path / "full"
+    run_job(full, *common, "trainer.checkpoint_every=3", "trainer.keep_checkpoints=5")
+    first = checkpoint.list_checkpoints(full)[0]
+    resumed = tmp_path / "resumed"
+    run_job(resumed, *common, f"trainer.resume={first}")
+    a = dict(scalars(full)["train/loss_scale"])
+    b = dict(scalars(resumed)["train/loss_scale"])
+    assert len(set(a.values())) > 1  # the scale really moved (grew every 2 clean steps)
+    assert [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
