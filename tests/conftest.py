@@ -30,7 +30,8 @@ TINY_MODEL = {
     "vgg16": ["model.width_divisor=8", "data.image_size=32"],
     "resnet50": ["model.width_divisor=8", "data.image_size=32"],
     "googlenet": ["model.width_divisor=8", "data.image_size=32"],
-    "inception_v3": ["model.width_divisor=16", "data.image_size=299", "data.batch_size=2"],
+    "inception_v3": ["model.width_divisor=16", "data.image_size=299", "data.batch_size=2", "data.train_samples=4",
+                     "data.val_samples=2"],
 }
 
 
