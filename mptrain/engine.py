@@ -137,6 +137,7 @@ class Engine:
                 f"{self.task.steps_per_epoch()} batches in an epoch"
             )
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
+        self.grad_clip = t.grad_clip  # read every step: keep it out of the DictConfig
         self.slots = [self._build_slot(obj) for obj in self.task.objectives]
         if cfg.telemetry.shadow and self.dist.enabled and cfg.telemetry.name != "off":
             raise MptrainError("telemetry.shadow=true: not supported with several ranks (use one process)")
@@ -192,7 +193,7 @@ class Engine:
         rows = []
         for slot in self.slots:
             slot.optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=self.device)
+            loss_sum: Tensor | None = None
             extras: dict[str, Tensor] = {}
             # Telemetry (every telemetry.every steps) arms its hooks before the forward.
             tel = slot.telemetry
@@ -205,8 +206,8 @@ class Engine:
                     with self.precision.autocast():
                         loss, extras = self.task.loss(slot.objective, batch)
                     with tel.capture(self.step + 1) if watch else contextlib.nullcontext():
-                        slot.scaler.scale(loss / accum).backward()
-                loss_sum += loss.detach().float()
+                        slot.scaler.scale(loss / accum if accum > 1 else loss).backward()
+                loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
             if watch:
                 tel.record_weight_grads()  # as stored: the loss scale still applied
                 if shadow_state is not None:
@@ -214,15 +215,15 @@ class Engine:
             if slot.master is not None:
                 slot.master.before_unscale()
             slot.scaler.unscale_(slot.optimizer)
-            if self.cfg.trainer.grad_clip:
-                torch.nn.utils.clip_grad_norm_(slot.params, self.cfg.trainer.grad_clip, foreach=True)
+            if self.grad_clip:
+                torch.nn.utils.clip_grad_norm_(slot.params, self.grad_clip, foreach=True)
             slot.scaler.step(slot.optimizer)
             slot.scaler.update()
             if slot.master is not None:
                 slot.master.after_step()
             self.precision.after_step()
             slot.scheduler.step()
-            loss_mean = loss_sum / accum
+            loss_mean = loss_sum / accum if accum > 1 else loss_sum
             self.skipped += slot.scaler.found_inf
             self.nonfinite_run = torch.where(
                 torch.isfinite(loss_mean), torch.zeros_like(self.nonfinite_run), self.nonfinite_run + 1

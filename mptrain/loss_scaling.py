@@ -193,9 +193,10 @@ class DynamicScaler(_GradScalerBase):
 
     On overflow: skip the step; spend one unit of hysteresis, and once it is spent multiply the
     scale by ``backoff_factor``. After ``growth_interval`` consecutive clean steps multiply it by
-    ``growth_factor``. With hysteresis=1 and no floor or cap this is exactly torch's
-    ``_amp_update_scale_`` (tests/test_loss_scaling.py checks the trajectories match). Written by
-    hand because GradScaler has no hysteresis, floor or cap.
+    ``growth_factor``. With hysteresis=1 and no floor or cap this is GradScaler's rule, and torch's
+    fused ``_amp_update_scale_`` runs it; the rest is written by hand because GradScaler has no
+    hysteresis, floor or cap (tests/test_loss_scaling.py checks the hand-written path reproduces
+    GradScaler's trajectory when those features are configured not to bite).
     """
 
     policy = "dynamic"
@@ -231,6 +232,11 @@ class DynamicScaler(_GradScalerBase):
         return self.min_scale
 
     def _update_scale(self, found_inf: Tensor) -> None:
+        if self.hysteresis == 1 and self.current_floor() is None and self.max_scale is None:
+            # GradScaler's own rule: torch's fused kernel does it in one launch.
+            torch._amp_update_scale_(self._scale, self._growth_tracker, found_inf, self.growth_factor,
+                                     self.backoff_factor, self.growth_interval)
+            return
         overflow = found_inf > 0
         hysteresis_spent = self._hysteresis_left <= 1
         back_off = overflow & hysteresis_spent

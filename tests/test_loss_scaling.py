@@ -90,6 +90,14 @@ def test_dynamic_defaults_match_gradscaler(pattern):
     assert ours == torch_reference(pattern, **kw)
 
 
+@pytest.mark.parametrize("pattern", [[True] * 3 + [False] * 7 + [True] + [False] * 9, [i % 3 == 0 for i in range(25)]])
+def test_hand_written_update_matches_gradscaler_when_extras_do_not_bite(pattern):
+    """A cap far above any reached scale forces the hand-written path; it must equal torch's."""
+    kw = dict(init_scale=1024.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=4)
+    ours, _, _ = drive(DynamicScaler(CPU, **kw, max_scale=2.0**60, consecutive_hysteresis=True), pattern)
+    assert ours == torch_reference(pattern, **kw)
+
+
 def test_dynamic_full_defaults_match_gradscaler_long_run():
     pattern = [False] * 2100 + [True] + [False] * 10
     ours, _, _ = drive(DynamicScaler(CPU), pattern)

@@ -1,0 +1,154 @@
+"""mptrain-bench on CPU: the JSON contract on a tiny grid, and the bare loop being like for like.
+
+Speed targets are measured by the harness, never asserted here: timings on a shared CI machine
+are noise. What is asserted is that every figure is there and that the engine and the bare loop
+train the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from mptrain.bench import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--width-divisor", "8", "--image-size", "32", "--batch-sizes", "4", "--threads", "1", "--no-process-warmup",
+        "--overrides", "data.num_classes=10", "optim.lr=0.01"]
+
+CELL_FIELDS = {
+    "model", "precision", "precision_resolved", "batch_size", "variant", "unit", "units_per_step",
+    "throughput", "step_time_s", "step_time_mean_s", "step_time_windows_s", "spread", "peak_memory_bytes",
+    "timing_stat",
+    "bare_throughput", "bare_step_time_s", "bare_step_time_windows_s", "bare_spread", "bare_peak_memory_bytes",
+    "overhead", "overhead_paired", "overhead_min", "step_time_min_s",
+    "speedup_vs_fp32", "bare_speedup_vs_fp32", "speedup_vs_tf32", "memory_vs_fp32",
+    "bare_memory_vs_fp32", "mfu", "bare_mfu", "last_loss", "bare_last_loss",
+    "flops_per_step", "peak_tflops", "compute_dtype", "losses", "bare_losses", "loss_max_rel_diff",
+    "host_syncs_per_step", "optimizer", "loss_scale", "image_size", "overrides",
+}
+META_FIELDS = {"device", "device_name", "versions", "date", "command", "torch_threads", "method"}
+
+
+def bench(tmp_path: Path, *args: str) -> dict:
+    assert main([*args, "--out", str(tmp_path), "--name", "result"]) == 0
+    assert (tmp_path / "result.md").is_file()
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+def _litter() -> set[str]:
+    return {p.name for p in Path(tempfile.gettempdir()).glob("mptrain-bench-*")}
+
+
+def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a stray `runs/` would land here
+    before = _litter()
+    out = tmp_path / "out"
+    args = [a for a in TINY if a != "--no-process-warmup"]  # the default path: with the throwaway cell
+    result = bench(out, "--models", "resnet50", "--precisions", "fp32,amp_bf16", "--steps", "2",
+                   "--window", "1", "--warmup", "2", *args)
+    meta = result["meta"]
+    assert meta.keys() >= META_FIELDS
+    assert meta["device"] == "cpu" and meta["versions"]["torch"] == torch.__version__
+    assert meta["command"].startswith("mptrain-bench --models resnet50") and meta["complete"] is True
+    cells = {c["precision"]: c for c in result["cells"]}
+    assert set(cells) == {"fp32", "amp_bf16"}
+    for cell in cells.values():
+        assert "error" not in cell, cell.get("error")
+        assert cell.keys() >= CELL_FIELDS, CELL_FIELDS - cell.keys()
+        assert cell["throughput"] > 0 and cell["bare_throughput"] > 0
+        assert cell["step_time_s"] > 0 and len(cell["step_time_windows_s"]) == 2
+        assert cell["overhead"] == pytest.approx(cell["step_time_s"] / cell["bare_step_time_s"])
+        assert cell["flops_per_step"] > 0
+        # CPU: no device memory, no peak to divide by unless --peak-tflops is given.
+        assert cell["peak_memory_bytes"] is None and cell["mfu"] is None
+        assert cell["units_per_step"] == 4 and cell["unit"] == "samples"
+    assert cells["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
+    assert cells["amp_bf16"]["speedup_vs_fp32"] == pytest.approx(
+        cells["fp32"]["step_time_s"] / cells["amp_bf16"]["step_time_s"])
+    assert cells["amp_bf16"]["compute_dtype"] == "bf16" and cells["fp32"]["compute_dtype"] == "fp32"
+    # FLOPs do not depend on the precision: counted once, shared.
+    assert cells["fp32"]["flops_per_step"] == cells["amp_bf16"]["flops_per_step"]
+    # The markdown carries the stamp and the table.
+    md = (out / "result.md").read_text()
+    assert meta["date"] in md and "engine/bare" in md and torch.__version__ in md
+    # No run directory left behind, neither in the cwd nor in the temp dir.
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
+    assert _litter() <= before
+
+
+@pytest.mark.parametrize(("model", "size", "precision"), [
+    ("resnet50", "32", "fp32"),
+    ("alexnet", "64", "fp32"),  # dropout: both loops must draw the same masks
+    ("resnet50", "32", "fp16_master"),  # the bare loop's FP32 masters + GradScaler
+])
+def test_bare_loop_matches_the_engine_loss_for_loss(tmp_path, model, size, precision):
+    args = [a if a != "32" else size for a in TINY]
+    result = bench(tmp_path, "--models", model, "--precisions", precision, "--steps", "1", "--window", "1",
+                   "--warmup", "4", *args)
+    (cell,) = result["cells"]
+    engine, bare = cell["losses"], cell["bare_losses"]
+    assert len(engine) == len(bare) == 4
+    assert all(math.isfinite(v) for v in engine)
+    assert engine == pytest.approx(bare, rel=1e-6)
+    # Reseeded before every group of steps, both stay on one trajectory through the timed windows.
+    assert cell["last_loss"] == pytest.approx(cell["bare_last_loss"], rel=1e-6) and not cell["diverged"]
+    # Four batches with three updates between them: the later losses check the optimizer step too.
+    assert len(set(engine)) == 4
+
+
+def test_mfu_with_a_given_peak_and_fast_paths(tmp_path):
+    result = bench(tmp_path, "--models", "resnet50", "--precisions", "fp32", "--steps", "1", "--window", "1",
+                   "--warmup", "1", "--peak-tflops", "1.0", "--fast-paths", "channels_last,optim", "--telemetry",
+                   *TINY)
+    by_variant = {c["variant"]: c for c in result["cells"]}
+    assert set(by_variant) >= {"base", "channels_last", "optim_fused", "optim_foreach"}
+    base = by_variant["base"]
+    assert base["mfu"] == pytest.approx(base["flops_per_step"] / base["step_time_s"] / 1e12)
+    assert by_variant["optim_fused"]["optimizer"] == "SGD(fused)"
+    assert by_variant["optim_foreach"]["optimizer"] == "SGD(foreach)"
+    cl = by_variant["channels_last"]
+    assert cl["speedup_vs_base"] == pytest.approx(base["step_time_s"] / cl["step_time_s"])
+    assert "trainer.channels_last=true" in cl["overrides"]
+    assert "telemetry" in result["meta"]  # measured, or the hook named
+    if "telemetry" in by_variant:  # the config has the key: on/off, read from mean step times
+        tel = by_variant["telemetry"]
+        assert tel["timing_stat"] == "mean" and tel["bare_step_time_s"] is None
+        assert tel["speedup_vs_base"] == pytest.approx(base["step_time_mean_s"] / tel["step_time_mean_s"])
+        assert "telemetry=gradients" in tel["overrides"] and "telemetry_every_step" in by_variant
+
+
+def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
+    result = bench(tmp_path, "--models", "resnet50,no_such_model", "--precisions", "fp32", "--steps", "1",
+                   "--window", "1", "--warmup", "1", *TINY)
+    assert [s["model"] for s in result["skipped"]] == ["no_such_model"]
+    assert [c["model"] for c in result["cells"]] == ["resnet50"]
+    assert main(["--models", "resnet50", "--precisions", "fp64", *TINY]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mptrain-bench: error: ") and "fp64" in err[-1]
+
+
+def test_script_wrapper_runs():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "mptrain-bench" in proc.stdout
+
+
+def test_peak_table_picks_the_device_and_dtype(monkeypatch):
+    from mptrain.bench import peak_tflops
+
+    cuda = torch.device("cuda")
+    for name, dtype, peak in [("NVIDIA H100 80GB HBM3", "bf16", 989.4), ("NVIDIA H100 PCIe", "fp16", 756.0),
+                              ("NVIDIA H200", "tf32", 494.7), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+                              ("NVIDIA A100-SXM4-80GB", "fp8", None), ("NVIDIA GeForce RTX 3090", "bf16", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_tflops(cuda, dtype, None) == peak, name
+    assert peak_tflops(torch.device("cpu"), "fp32", None) is None
+    assert peak_tflops(torch.device("cpu"), "fp32", 2.5) == 2.5
