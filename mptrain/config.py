@@ -85,7 +85,7 @@ class DataConfig:
     num_workers: int = 2
     image_size: int | None = None  # null: the model's size for the device
     num_classes: int | None = None  # synthetic: how many classes; real data: read from the data
-    train_samples: int = 1280  # synthetic: samples in one epoch
+    train_samples: int = 3200  # synthetic: samples in one epoch
     val_samples: int = 256  # synthetic: validation samples
     val_fraction: float = 0.2  # digits: held-out fraction
     augment: bool = True  # random crop / flip on real training images
@@ -193,6 +193,7 @@ class OptimConfig:
 
 @dataclass
 class SGDConfig(OptimConfig):
+    lr: float = 0.0125  # 0.1 per 256 images (linear scaling), at the default batch of 32
     momentum: float = 0.9
     nesterov: bool = False
 
