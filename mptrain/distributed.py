@@ -95,11 +95,6 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return t
 
 
-def barrier() -> None:
-    if _ENV.enabled:
-        dist.barrier()
-
-
 class PreemptionGuard:
     """Turns SIGTERM, SIGUSR1 and SIGUSR2 into a flag the loop checks at a step boundary.
 

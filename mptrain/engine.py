@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.loss_scaling import DynamicScaler, LossScaler, build_scaler, resolve_policy
+from mptrain.loss_scaling import LossScaler, build_scaler, resolve_policy
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
 from mptrain.precision import MasterWeights, Precision, build_precision
 from mptrain.tasks import Objective, Task, build_task
@@ -94,8 +94,9 @@ class Slot:
     extra_names: list[str] = field(default_factory=list)  # task metrics logged beside the loss
     telemetry: GradientTelemetry | None = None  # telemetry=gradients
 
-    @property
+    @functools.cached_property
     def params(self) -> list[Tensor]:
+        """What the optimizer updates (masters included); fixed for the run, so built once."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
 
@@ -350,8 +351,7 @@ class Engine:
                     logger.scalar(f"loss_scale/{name}{self._suffix(slot)}", float(value), step)
                 else:
                     logger.histogram(f"loss_scale/{name}{self._suffix(slot)}", value.float().cpu(), step)
-            if isinstance(slot.scaler, DynamicScaler):
-                slot.scaler.check()
+            slot.scaler.check()
             if slot.telemetry is not None:
                 slot.telemetry.flush(logger, step)
         logger.scalar("train/throughput", rate, step)

@@ -75,6 +75,9 @@ class LossScaler(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def check(self) -> None:  # noqa: B027 - optional
+        """Raise DivergedError if the policy has given up (syncs: called on logging steps only)."""
+
     def summary(self) -> dict[str, Any]:
         """Final state for summary.json (may sync; called once at the end)."""
         return {"policy": self.policy, "scale": float(self.scale_value)}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,9 +181,6 @@ class Precision:
             "fp8_layers": self.fp8_state.describe() if self.fp8_state is not None else None,
             "note": self.note,
         }
-
-    def iter_low_precision_params(self, model: nn.Module) -> Iterator[nn.Parameter]:
-        return (p for p in model.parameters() if p.dtype != torch.float32)
 
 
 def _bf16_supported(device: torch.device) -> bool:
