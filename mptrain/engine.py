@@ -457,6 +457,7 @@ class Engine:
             "precision": cfg.precision.name,
             "precision_resolved": self.precision.resolved,
             "precision_detail": self.precision.describe(),
+            "device_capability": self.precision.capability.describe() if self.precision.capability else None,
             "loss_scale": self.policy,
             "loss_scale_state": {s.objective.name: s.scaler.summary() for s in self.slots},
             "device": str(self.device),

@@ -11,7 +11,8 @@ Every mode goes through the same engine path; this object supplies the differenc
 - ``after_step()``: per-step work of the mode itself (FP8's FP16 master rounding).
 
 Modes (``precision.name``): fp32 (TF32 off: a true baseline), tf32, amp_fp16, amp_bf16, mixed
-(amp_fp16 on CUDA, amp_bf16 on CPU), fp16_master, bf16_pure, fp8.
+(the fastest half type the device computes natively, see ``mptrain.hardware``: amp_fp16 on CUDA,
+amp_bf16 on a CPU with AVX512-BF16/AMX, fp32 on other CPUs), fp16_master, bf16_pure, fp8.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
+from mptrain.hardware import DeviceCapability, device_capability, emulation_slowdown
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,7 @@ class Precision:
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
     fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
+    capability: DeviceCapability | None = None  # what the device computes natively (build_precision sets it)
 
     @property
     def half_dtype(self) -> torch.dtype | None:
@@ -183,10 +186,6 @@ class Precision:
         }
 
 
-def _bf16_supported(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
-
-
 def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
     """Resolve ``precision.name`` for ``device`` and check that the device can run it.
 
@@ -196,7 +195,8 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
     name = cfg.name
     options = {k: v for k, v in cfg.items() if k != "name"}
     cuda = device.type == "cuda"
-    p = Precision(requested=name, resolved=name, device=device, options=options)
+    cap = device_capability(device)
+    p = Precision(requested=name, resolved=name, device=device, capability=cap, options=options)
     if name == "fp32":
         pass
     elif name == "tf32":
@@ -205,17 +205,24 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
             p.note = "tf32 affects CUDA matmuls only; on CPU it is plain FP32"
     elif name == "amp_fp16":
         p.autocast_dtype = torch.float16
-        if not cuda:
-            p.note = "FP16 autocast on CPU is emulated and slow; use it for numerics, not speed"
     elif name == "amp_bf16":
         p.autocast_dtype = torch.bfloat16
     elif name == "mixed":
-        if cuda:
+        # The fastest half type this device computes natively (mptrain.hardware).
+        half = cap.best_half
+        if half == torch.float16:
             p.resolved, p.autocast_dtype = "amp_fp16", torch.float16
             p.note = "mixed = FP16 autocast + FP32 master weights + dynamic loss scaling (CUDA)"
-        else:
+        elif half == torch.bfloat16:
             p.resolved, p.autocast_dtype = "amp_bf16", torch.bfloat16
-            p.note = "mixed resolved to amp_bf16 on CPU: FP16 arithmetic is emulated and very slow there"
+            p.note = f"mixed resolved to amp_bf16: this CPU computes bf16 natively ({cap.detail})"
+        else:
+            p.resolved = "fp32"
+            p.note = (
+                f"mixed resolved to fp32: this CPU ({cap.detail}) has no native bf16 or FP16 arithmetic "
+                "(no AVX512-BF16 or AMX), so half precision would be emulated and slower than FP32; "
+                "force it with precision=amp_bf16 (or amp_fp16) to study its numerics"
+            )
     elif name == "fp16_master":
         p.param_dtype = torch.float16
     elif name == "bf16_pure":
@@ -234,12 +241,42 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
         raise MptrainError(f"precision={name!r}: unknown mode")
 
     for dtype in (p.autocast_dtype, p.param_dtype):
-        if dtype == torch.bfloat16 and not _bf16_supported(device):
+        if cuda and dtype == torch.bfloat16 and not cap.native_bf16:
             raise MptrainError(
                 f"precision={name}: this GPU ({torch.cuda.get_device_name(device)}) has no bf16 support; "
                 "use amp_fp16, mixed or fp32"
             )
+    if not cuda:
+        _warn_if_emulated(p)
     return p
+
+
+def _warn_if_emulated(p: Precision) -> None:
+    """An explicit low-precision mode on a CPU without that arithmetic still runs (its numerics are
+    worth studying anywhere), but the user hears once, in one line, how slow that will be."""
+    cap = p.capability
+    assert cap is not None
+    if p.fp8 == "emulated":
+        compute = str(p.options.get("emulated_compute", "fp32"))
+        dtype = torch.bfloat16 if compute == "bf16" else None
+        slowdown = emulation_slowdown(dtype) if dtype is not None and not cap.native(dtype) else 1.0
+        log.warning(
+            "precision=fp8: no CPU has FP8 arithmetic, so it is emulated: every converted layer rounds its weights, "
+            "activations and gradients onto the FP8 grid and computes in %s%s. Expect it slower than fp32; "
+            "use it to study FP8 numerics, not for speed",
+            compute, f" (itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
+        )
+        return
+    dtype = p.half_dtype
+    if dtype is None or cap.native(dtype):
+        return
+    short = {torch.float16: "FP16", torch.bfloat16: "bf16"}[dtype]
+    log.warning(
+        "precision=%s: this CPU (%s) has no native %s arithmetic, so it is emulated through FP32: about %.0fx "
+        "slower than fp32 here (a convolution probe). Fine for studying numerics on small models; for speed use "
+        "precision=mixed, which resolves to fp32 on this CPU",
+        p.requested, cap.detail, short, emulation_slowdown(dtype),
+    )
 
 
 def _check_torchao(device: torch.device) -> None:

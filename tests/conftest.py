@@ -35,11 +35,19 @@ TINY_MODEL = {
 }
 
 
+def on_cpu(overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """The suite asserts CPU behaviour (what mixed resolves to, image sizes, no device memory), so
+    runs are pinned to the CPU unless a test names a device itself (tests/test_cuda.py does)."""
+    if any(a.startswith("trainer.device=") for a in overrides):
+        return list(overrides)
+    return [*overrides, "trainer.device=cpu"]
+
+
 def run_job(run_dir: Path, *overrides: str) -> dict[str, Any]:
-    """Compose + validate + train in this process; returns summary.json's content."""
+    """Compose + validate + train in this process (on the CPU unless told); returns summary.json."""
     from mptrain.engine import train
 
-    cfg = compose(list(overrides))
+    cfg = compose(on_cpu(overrides))
     validate(cfg)
     train(cfg, run_dir)
     return json.loads((run_dir / "summary.json").read_text())
@@ -50,7 +58,10 @@ def tiny(model: str = "resnet50", *extra: str) -> list[str]:
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """``python -m mptrain ARGS`` (pinned to the CPU unless told, like run_job)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    if "--help" not in args:
+        args = tuple(on_cpu(args))
     return subprocess.run(
         [sys.executable, "-m", "mptrain", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
     )

@@ -20,8 +20,8 @@ import torch
 from mptrain.bench import main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--width-divisor", "8", "--image-size", "32", "--batch-sizes", "4", "--threads", "1", "--no-process-warmup",
-        "--overrides", "data.num_classes=10", "optim.lr=0.01"]
+TINY = ["--device", "cpu", "--width-divisor", "8", "--image-size", "32", "--batch-sizes", "4", "--threads", "1",
+        "--no-process-warmup", "--overrides", "data.num_classes=10", "optim.lr=0.01"]
 
 CELL_FIELDS = {
     "model", "precision", "precision_resolved", "batch_size", "variant", "unit", "units_per_step",

@@ -15,6 +15,7 @@ from torch import nn
 from mptrain import precision as precision_mod
 from mptrain.adaptive_scaling import AdaptiveScaler
 from mptrain.errors import MptrainError
+from mptrain.hardware import DeviceCapability
 from mptrain.loss_scaling import DynamicScaler, NoScaler, StaticScaler
 
 PRECISIONS = ["fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8"]
@@ -45,11 +46,12 @@ def test_torchao_fp8_on_cpu_is_refused_with_one_line(tmp_path):
 
 
 def test_bf16_on_a_gpu_without_bf16_is_refused(monkeypatch):
-    monkeypatch.setattr(precision_mod, "_bf16_supported", lambda device: False)
+    v100 = DeviceCapability("cuda", "sm70", native_fp16=True, native_bf16=False, detail="Tesla V100")
+    monkeypatch.setattr(precision_mod, "device_capability", lambda device: v100)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
     for name in ("amp_bf16", "bf16_pure"):
         with pytest.raises(MptrainError, match=f"precision={name}: this GPU \\(Tesla V100\\) has no bf16 support"):
-            precision_mod.build_precision(OmegaConf.create({"name": name}), torch.device("cpu"))
+            precision_mod.build_precision(OmegaConf.create({"name": name}), torch.device("cuda"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from mptrain import checkpoint
 # AlexNet has no batch norm (whose per-rank statistics would differ from one big batch) and,
 # with dropout off, no randomness: two ranks must reproduce one process with the same global batch.
 DIGITS = ["model=alexnet", "model.width_divisor=8", "model.dropout=0", "data=digits", "data.image_size=64",
-          "data.num_workers=0", "trainer.max_steps=5", "trainer.log_every=1", "optim.lr=0.02", "sched=constant"]
+          "data.num_workers=0", "trainer.max_steps=5", "trainer.log_every=1", "optim.lr=0.02", "sched=constant",
+          "trainer.device=cpu"]  # gloo ranks on the CPU, also on a machine with one GPU
 
 
 def env() -> dict[str, str]:
@@ -108,7 +109,7 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float = 12
 def test_signal_checkpoints_and_the_resumed_run_continues_the_curve(tmp_path, sig):
     run = tmp_path / "run"
     args = ["model=resnet50", *TINY, "model.width_divisor=8", "data.image_size=32", "trainer.log_every=1",
-            "sched=constant", "optim.lr=0.02"]
+            "sched=constant", "optim.lr=0.02", "trainer.device=cpu"]
     proc = subprocess.Popen([sys.executable, "-m", "mptrain", *args, "trainer.max_steps=100000",
                              f"hydra.run.dir={run}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env())

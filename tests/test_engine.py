@@ -14,11 +14,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from mptrain import checkpoint
 from mptrain.errors import DivergedError, MptrainError
+from mptrain.hardware import device_capability
 from mptrain.models import list_models
 
 SUMMARY_KEYS = {
     "status", "model", "data", "precision", "precision_resolved", "loss_scale", "device", "world_size",
-    "steps", "final_loss", "metrics", "throughput", "peak_memory_bytes", "skipped_steps",
+    "steps", "final_loss", "metrics", "throughput", "peak_memory_bytes", "skipped_steps", "device_capability",
     "final_loss_scale", "wall_time_s", "versions",
 }
 
@@ -63,10 +64,18 @@ def test_summary_contract_and_tensorboard_tags(tmp_path):
     assert any(t == "hparam/val/top1" for t in acc.Tags()["scalars"])
 
 
+def _mixed_on_this_cpu() -> str:
+    """What precision=mixed must resolve to on the CPU running the suite."""
+    return "amp_bf16" if device_capability(torch.device("cpu")).native_bf16 else "fp32"
+
+
 def test_mixed_resolves_on_cpu_and_records_it(tmp_path):
     s = run_job(tmp_path, *tiny("resnet50", "precision=mixed", "trainer.max_steps=2"))
-    assert s["precision"] == "mixed" and s["precision_resolved"] == "amp_bf16"
+    assert s["precision"] == "mixed" and s["precision_resolved"] == _mixed_on_this_cpu()
     assert "CPU" in s["precision_detail"]["note"]
+    cap = s["device_capability"]
+    assert cap == device_capability(torch.device("cpu")).describe()
+    assert cap["device_type"] == "cpu" and cap["isa"] == torch.backends.cpu.get_cpu_capability()
 
 
 def test_resume_continues_the_loss_curve_exactly(tmp_path):
@@ -149,7 +158,7 @@ def test_cli_end_to_end_writes_the_run_directory(tmp_path):
     r = run_cli(*tiny("resnet50", "precision=mixed", "trainer.max_steps=2"), f"hydra.run.dir={run}")
     assert r.returncode == 0, r.stderr
     assert (run / ".hydra" / "config.yaml").is_file()
-    assert "resolved to amp_bf16" in (run / "train.log").read_text()
+    assert f"resolved to {_mixed_on_this_cpu()}" in (run / "train.log").read_text()
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert "mptrain: completed" in r.stdout  # the rich summary table
 

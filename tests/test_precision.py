@@ -17,12 +17,6 @@ def prec(name: str, **opts):
     return build_precision(OmegaConf.create({"name": name, **opts}), CPU)
 
 
-def test_mixed_resolves_to_bf16_on_cpu_and_says_why():
-    p = prec("mixed")
-    assert p.resolved == "amp_bf16" and p.autocast_dtype == torch.bfloat16
-    assert "CPU" in p.note
-
-
 def test_fp32_turns_tf32_off_and_tf32_on():
     p = prec("fp32")
     p.configure_backends()

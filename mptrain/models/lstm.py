@@ -7,13 +7,19 @@ weight is the embedding matrix when ``model.tie_weights`` (Press and Wolf 2017; 
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from mptrain.hardware import lstm_path
 from mptrain.models import register_model
+
+log = logging.getLogger(__name__)
 
 Hidden = tuple[Tensor, Tensor]  # (h, c), each [num_layers, batch, size]
 
@@ -57,17 +63,20 @@ class LSTMLanguageModel(nn.Module):
             nn.init.zeros_(self.decoder.bias)
 
     def _lstm(self, x: Tensor, hidden: Hidden | None) -> tuple[Tensor, Hidden]:
-        cpu_fp16 = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
-        if x.device.type == "cpu" and cpu_fp16:
-            # CPU autocast hands nn.LSTM to oneDNN, which has no FP16 LSTM ("could not create a
-            # primitive descriptor"). CUDA autocast runs cuDNN's LSTM in FP16; do the same by hand:
-            # FP16 copies of the weights (as autocast makes for Linear) and the native FP16 kernel.
-            # Gradients flow back through the casts to the FP32 parameters.
-            weights = {k: v.half() for k, v in self.lstm.named_parameters()}
-            hx = None if hidden is None else (hidden[0].half(), hidden[1].half())
-            with torch.autocast("cpu", enabled=False):
-                return functional_call(self.lstm, weights, (x.half(), hx))
-        return self.lstm(x, hidden)
+        if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+            return self.lstm(x, hidden)
+        dtype = torch.get_autocast_dtype("cpu")
+        path = lstm_path("cpu", dtype)
+        if path == "autocast":
+            return self.lstm(x, hidden)
+        # No oneDNN LSTM for this dtype on this CPU: cast by hand (ATen's LSTM, same rounding) or,
+        # failing that, run in FP32. Gradients flow back through the casts to the FP32 parameters.
+        _say_once(path, dtype)
+        run_dtype = dtype if path == "cast" else torch.float32
+        weights = {k: v.to(run_dtype) for k, v in self.lstm.named_parameters()}
+        hx = None if hidden is None else (hidden[0].to(run_dtype), hidden[1].to(run_dtype))
+        with torch.autocast("cpu", enabled=False):
+            return functional_call(self.lstm, weights, (x.to(run_dtype), hx))
 
     def forward(self, tokens: Tensor, hidden: Hidden | None = None) -> tuple[Tensor, Hidden]:
         x = self.drop(self.embedding(tokens))
@@ -76,6 +85,16 @@ class LSTMLanguageModel(nn.Module):
         if self.decoder is not None:
             return self.decoder(out), hidden
         return F.linear(out, self.embedding.weight, self.decoder_bias), hidden
+
+
+@functools.cache
+def _say_once(path: str, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    if path == "cast":
+        log.info("LSTM: oneDNN has no %s LSTM on this CPU; running ATen's %s LSTM instead", name, name)
+    else:
+        log.warning("LSTM: this CPU has no %s LSTM kernel; the LSTM layers run in fp32 (as autocast does for "
+                    "ops it cannot lower), the rest of the model in %s", name, name)
 
 
 def lstm_lm(cfg: DictConfig, num_classes: int) -> nn.Module:
