@@ -23,6 +23,7 @@ class DistEnv:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    launched: bool = False  # started by torchrun (even as 1 process) or as one of several SLURM tasks
 
     @property
     def is_main(self) -> bool:
@@ -30,7 +31,9 @@ class DistEnv:
 
     @property
     def enabled(self) -> bool:
-        return self.world_size > 1
+        """A process group and DDP: under torchrun always, so ``--nproc_per_node=1`` runs the same
+        NCCL/gloo path as a multi-GPU job (the way to test it on one GPU)."""
+        return self.launched or self.world_size > 1
 
 
 _ENV = DistEnv()
@@ -44,7 +47,8 @@ def env() -> DistEnv:
 def _from_environment() -> DistEnv:
     """torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; a SLURM job step sets SLURM_PROCID & co."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return DistEnv(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
+        return DistEnv(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]),
+                       launched=True)
     if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
         world = int(os.environ["SLURM_NTASKS"])
         rank = int(os.environ["SLURM_PROCID"])
@@ -53,7 +57,7 @@ def _from_environment() -> DistEnv:
         os.environ.setdefault("MASTER_ADDR", _first_slurm_host())
         os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local), WORLD_SIZE=str(world))
-        return DistEnv(rank, local, world)
+        return DistEnv(rank, local, world, launched=True)
     return DistEnv()
 
 
@@ -68,7 +72,8 @@ def _first_slurm_host() -> str:
 
 
 def init(device_type: str) -> DistEnv:
-    """Join the process group if launched as one of several ranks. NCCL on CUDA, gloo on CPU."""
+    """Join the process group if launched by torchrun or as one of several SLURM tasks. NCCL on CUDA,
+    gloo on CPU."""
     global _ENV
     found = _from_environment()
     if found.enabled and not dist.is_initialized():
@@ -77,6 +82,11 @@ def init(device_type: str) -> DistEnv:
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     _ENV = found
     return found
+
+
+def backend() -> str | None:
+    """The process group's backend (nccl | gloo), None when not distributed."""
+    return dist.get_backend() if dist.is_initialized() else None
 
 
 def shutdown() -> None:

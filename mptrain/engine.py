@@ -141,7 +141,7 @@ class Engine:
         self.grad_clip = t.grad_clip  # read every step: keep it out of the DictConfig
         self.slots = [self._build_slot(obj) for obj in self.task.objectives]
         if cfg.telemetry.shadow and self.dist.enabled and cfg.telemetry.name != "off":
-            raise MptrainError("telemetry.shadow=true: not supported with several ranks (use one process)")
+            raise MptrainError("telemetry.shadow=true: not supported under torchrun/DDP (run one plain process)")
         for slot in self.slots:
             slot.telemetry = build_telemetry(
                 cfg.telemetry, unwrap(slot.module), self.precision, slot.scaler,
@@ -463,6 +463,7 @@ class Engine:
             "device": str(self.device),
             "device_name": _device_name(self.device),
             "world_size": self.dist.world_size,
+            "dist_backend": distributed.backend(),
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.batch_size * cfg.trainer.grad_accum * self.dist.world_size,
             "image_size": self.image_size,

@@ -152,3 +152,12 @@ def test_peak_table_picks_the_device_and_dtype(monkeypatch):
         assert peak_tflops(cuda, dtype, None) == peak, name
     assert peak_tflops(torch.device("cpu"), "fp32", None) is None
     assert peak_tflops(torch.device("cpu"), "fp32", 2.5) == 2.5
+
+
+def test_fp8_torchao_alias_is_a_cell_and_off_cuda_a_reason(tmp_path):
+    result = bench(tmp_path, "--models", "resnet50", "--precisions", "fp32,fp8_torchao", "--steps", "1",
+                   "--window", "1", "--warmup", "1", *TINY)
+    cells = {c["precision"]: c for c in result["cells"]}
+    assert cells["fp32"].get("error") is None
+    assert "precision.backend=torchao" in " ".join(cells["fp8_torchao"]["overrides"])
+    assert cells["fp8_torchao"]["error"].endswith("needs a CUDA GPU; use backend=emulated")

@@ -1,0 +1,197 @@
+"""The CUDA paths, each a few steps of a tiny model on the GPU (skipped without CUDA).
+
+Precision x loss-scale policy with the loss falling; fused and foreach optimizers under every
+scaler with an injected overflow; channels_last and torch.compile; peak memory; the GAN and the
+LM; resume; DDP over NCCL; torchao float8.
+
+``MPTRAIN_TEST_DEVICE=cpu python -m pytest tests/test_cuda.py`` runs the same tests on the CPU
+(the CUDA-only checks skip): a way to check their logic on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_job
+from test_engine import scalars
+
+from mptrain.cli import compose
+from mptrain.config import validate
+
+DEVICE = os.environ.get("MPTRAIN_TEST_DEVICE", "cuda")
+CUDA = DEVICE == "cuda"
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(CUDA and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+cuda_only = pytest.mark.skipif(not CUDA, reason="checks a CUDA-only behaviour")
+
+PRECISIONS = ["fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8"]
+POLICIES = ["none", "auto", "static", "dynamic", "enhanced", "adaptive"]
+
+# A 1/8-width ResNet-50 on 4 learnable synthetic classes: the loss falls within a dozen steps.
+SMALL = ["model=resnet50", "model.width_divisor=8", "data.image_size=32", "data.batch_size=16", "data.num_classes=4",
+         "data.train_samples=128", "data.val_samples=16", "data.num_workers=0", "trainer.log_every=1",
+         "sched=constant", "optim.lr=0.05", f"trainer.device={DEVICE}"]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [v for _, v in scalars(run_dir)["train/loss"]]
+
+
+def falls(values: list[float], k: int = 4) -> bool:
+    finite = [v for v in values if math.isfinite(v)]
+    return len(finite) >= 2 * k and sum(finite[-k:]) / k < sum(finite[:k]) / k
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precision_and_policy_trains(tmp_path, precision, policy):
+    s = run_job(tmp_path, *SMALL, f"precision={precision}", f"loss_scale={policy}", "trainer.max_steps=16")
+    assert s["status"] == "completed" and s["device"].startswith(DEVICE)
+    if CUDA and precision == "mixed":
+        assert s["precision_resolved"] == "amp_fp16"  # the paper's recipe on a GPU
+    assert falls(losses(tmp_path)), losses(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# An overflowing step must leave weights and optimizer state exactly as they were, with fused
+# optimizers too (they take GradScaler's found_inf inside the kernel), and the scale must back off.
+
+
+def _engine(tmp_path: Path, *overrides: str):
+    from mptrain.engine import Engine
+
+    cfg = compose([*SMALL, "precision=amp_fp16", "trainer.max_steps=10", *overrides])
+    validate(cfg)
+    return Engine(cfg, tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic", "enhanced", "adaptive"])
+@pytest.mark.parametrize("optim,impl", [("sgd", "fused"), ("sgd", "foreach"), ("adamw", "fused"),
+                                        ("adamw", "foreach")])
+def test_overflow_leaves_weights_and_optimizer_state_untouched(tmp_path, optim, impl, policy):
+    # A modest initial scale, so that only the injected step overflows.
+    start = ["loss_scale.init_scale=256"] if policy in ("dynamic", "enhanced") else []
+    eng = _engine(tmp_path, f"optim={optim}", f"optim.impl={impl}", f"loss_scale={policy}", *start)  # SGD: momentum
+    slot = eng.slots[0]
+    assert all(g[impl] for g in slot.optimizer.param_groups)
+    batches = eng.task.train_batches(0)
+    for _ in range(2):  # clean steps: momentum / Adam moments exist
+        eng._train_step([next(batches)])
+    assert float(eng.skipped) == 0
+    weights = [p.detach().clone() for p in slot.params]
+    state = {(i, k): v.clone() for i, p in enumerate(slot.params) for k, v in slot.optimizer.state[p].items()
+             if isinstance(v, torch.Tensor)}
+    assert len(state) >= len(weights)  # a momentum buffer (SGD) or two moments (AdamW) per parameter
+    scale_before = float(slot.scaler.scale_value)
+    skipped_before = float(eng.skipped)
+
+    loss_fn = eng.task.loss
+
+    def overflowing(objective, batch):
+        loss, extras = loss_fn(objective, batch)
+        return loss * torch.tensor(float("inf"), device=loss.device), extras
+
+    eng.task.loss = overflowing
+    eng._train_step([next(batches)])
+    assert float(eng.skipped) == skipped_before + 1
+    for before, p in zip(weights, slot.params, strict=True):
+        assert torch.equal(before, p.detach())
+    after = {(i, k): v for i, p in enumerate(slot.params) for k, v in slot.optimizer.state[p].items()
+             if isinstance(v, torch.Tensor)}
+    assert after.keys() == state.keys()
+    for k, v in state.items():
+        assert torch.equal(v, after[k]), k
+    if policy in ("dynamic", "enhanced"):
+        assert float(slot.scaler.scale_value) == scale_before * 0.5
+    elif policy == "static":
+        assert float(slot.scaler.scale_value) == scale_before
+
+    eng.task.loss = loss_fn  # and training goes on from the same weights
+    eng._train_step([next(batches)])
+    assert any(not torch.equal(b, p.detach()) for b, p in zip(weights, slot.params, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# fast paths, memory, the other model families, resume
+
+
+@pytest.mark.parametrize("fast", [["trainer.channels_last=true"], ["trainer.compile=true"],
+                                  ["trainer.channels_last=true", "trainer.compile=true"]])
+def test_channels_last_and_compile_train(tmp_path, fast):
+    s = run_job(tmp_path, *SMALL, "model=alexnet", "data.image_size=64", "precision=mixed", "trainer.max_steps=12",
+                "optim=adamw", "optim.lr=1e-3", *fast)
+    assert s["status"] == "completed" and falls(losses(tmp_path), k=3), losses(tmp_path)
+
+
+@cuda_only
+def test_peak_memory_is_recorded_and_half_precision_uses_less(tmp_path):
+    common = [*SMALL, "data.batch_size=64", "data.image_size=64", "trainer.max_steps=3"]
+    fp32 = run_job(tmp_path / "fp32", *common, "precision=fp32")
+    half = run_job(tmp_path / "half", *common, "precision=amp_fp16")
+    assert fp32["peak_memory_bytes"] > 0 and half["peak_memory_bytes"] > 0
+    assert half["peak_memory_bytes"] < fp32["peak_memory_bytes"]  # activations saved in FP16
+    tags = scalars(tmp_path / "fp32")
+    assert tags["train/peak_memory"][-1][1] > 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_fp16", "amp_bf16"])
+def test_gan_and_lm_train_on_the_device(tmp_path, precision):
+    gan = run_job(tmp_path / "gan", "model=dcgan", "model.ngf=16", "model.ndf=16", "data.batch_size=16",
+                  "data.train_samples=64", "data.num_workers=0", "trainer.max_steps=4", "trainer.log_every=2",
+                  f"trainer.device={DEVICE}", f"precision={precision}")
+    assert gan["status"] == "completed" and math.isfinite(gan["final_loss"])
+    lm = run_job(tmp_path / "lm", "model=lstm_lm_tiny", "data.batch_size=8", "data.bptt=16", "trainer.max_steps=20",
+                 "trainer.log_every=1", f"trainer.device={DEVICE}", f"precision={precision}", "optim.lr=0.01")
+    assert lm["status"] == "completed" and lm["device"].startswith(DEVICE)
+    assert falls(losses(tmp_path / "lm")), losses(tmp_path / "lm")
+
+
+def test_resume_continues_the_loss_and_scale_curves(tmp_path):
+    common = [*SMALL, "precision=amp_fp16", "loss_scale=dynamic", "loss_scale.growth_interval=2",
+              "trainer.max_steps=8"]
+    run_job(tmp_path / "full", *common, "trainer.checkpoint_every=4", "trainer.keep_checkpoints=5")
+    first = sorted((tmp_path / "full" / "checkpoints").glob("step_*.pt"))[0]
+    s = run_job(tmp_path / "resumed", *common, f"trainer.resume={first}")
+    assert s["steps"] == 8 and s["resumed_from"].endswith("step_00000004.pt")
+    full, resumed = scalars(tmp_path / "full"), scalars(tmp_path / "resumed")
+    # The scale trajectory is exact (a state machine); the loss within cuDNN's run-to-run noise.
+    assert dict(resumed["train/loss_scale"]) == {k: v for k, v in full["train/loss_scale"] if k > 4}
+    ref = dict(full["train/loss"])
+    for step, value in resumed["train/loss"]:
+        assert value == pytest.approx(ref[step], rel=1e-3, abs=1e-4), step
+
+
+def test_ddp_over_torchrun_one_process(tmp_path):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "mptrain",
+         *SMALL, "precision=mixed", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "completed" and s["world_size"] == 1
+    assert s["dist_backend"] == ("nccl" if CUDA else "gloo")
+
+
+@cuda_only
+@pytest.mark.skipif(CUDA and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="torchao float8 needs sm89+")
+def test_torchao_float8_converts_and_trains(tmp_path):
+    pytest.importorskip("torchao")
+    # AlexNet's classifier is Linear 512 -> 512 -> 16 at 1/8 width: dims divisible by 16, as
+    # float8 matmuls need.
+    s = run_job(tmp_path, *SMALL, "model=alexnet", "data.image_size=64", "data.num_classes=16",
+                "precision=fp8", "precision.backend=torchao", "trainer.max_steps=6", "optim=adamw", "optim.lr=1e-3")
+    assert s["status"] == "completed" and math.isfinite(s["final_loss"])
+    detail = s["precision_detail"]
+    assert detail["fp8"] == "torchao" and detail["fp8_layers"]["converted"]
