@@ -274,8 +274,8 @@ def _warn_if_emulated(p: Precision) -> None:
     log.warning(
         "precision=%s: this CPU (%s) has no native %s arithmetic, so it is emulated through FP32: about %.0fx "
         "slower than fp32 here (a convolution probe). Fine for studying numerics on small models; for speed use "
-        "precision=mixed, which resolves to fp32 on this CPU",
-        p.requested, cap.detail, short, emulation_slowdown(dtype),
+        "precision=mixed, which resolves to %s on this CPU",
+        p.requested, cap.detail, short, emulation_slowdown(dtype), "amp_bf16" if cap.native_bf16 else "fp32",
     )
 
 

@@ -124,7 +124,7 @@ def test_overflow_leaves_weights_and_optimizer_state_untouched(tmp_path, optim, 
 # fast paths, memory, the other model families, resume
 
 
-@pytest.mark.parametrize("fast", [["trainer.channels_last=true"], ["trainer.compile=true"],
+@pytest.mark.parametrize("fast", [["trainer.channels_last=true"],
                                   ["trainer.channels_last=true", "trainer.compile=true"]])
 def test_channels_last_and_compile_train(tmp_path, fast):
     s = run_job(tmp_path, *SMALL, "model=alexnet", "data.image_size=64", "precision=mixed", "trainer.max_steps=12",
