@@ -3,6 +3,13 @@
     mptrain-bench data --workers 0,1,2 --decodes pil,cpu --out docs/benchmarks
     mptrain-bench data --device cuda --workers 4,8,16 --decodes pil,cpu,gpu --batch-size 256 \\
         --images 2048 --out docs/benchmarks
+    mptrain-bench data --device cuda --workers 15 --decodes cpu,gpu --batch-size 256 --images 8192 \\
+        --splits train --train resnet50 --train-overrides precision=mixed trainer.channels_last=true
+
+``--train MODEL`` then trains MODEL through the real engine (``mptrain.engine.train``), once on
+synthetic data and once on the JPEG tree per decode path, same config otherwise, and reports the
+engine's median throughput, the median data-wait fraction, and each run's throughput over the
+synthetic run's: the input pipeline's share of a real run, side by side in one harness run.
 
 A JPEG ImageFolder is written on the fly into a temporary directory (ImageNet-like: about 500x375,
 quality 90, smooth content plus sensor-like noise, so a file is about 100 KB as in ImageNet's
@@ -53,30 +60,44 @@ METHOD = ("per (split, workers) cell: one loader per decode path built by build_
 
 
 def make_jpeg_tree(root: Path, *, classes: int, train_images: int, val_images: int, seed: int = 0,
-                   size: tuple[int, int] = (500, 375), quality: int = 90) -> Path:
+                   size: tuple[int, int] = (500, 375), quality: int = 90, processes: int = 1) -> Path:
     """An ImageNet-layout tree of JPEGs: ``root/{train,val}/class_<k>/<i>.jpg``.
 
     Content: a low-frequency random field upsampled bicubically plus Gaussian noise, which gives
     JPEG files of ImageNet's size and decode cost (flat colours would compress to a few KB and
     decode unrealistically fast). Sizes vary by up to 20% and one image in five is portrait.
     """
+    jobs = []
+    for split, n in (("train", train_images), ("val", val_images)):
+        for k in range(classes):
+            (root / split / f"class_{k:03d}").mkdir(parents=True, exist_ok=True)
+        # Each image has its own seed: the tree is the same whatever the number of processes.
+        jobs += [(root / split / f"class_{i % classes:03d}" / f"{i:05d}.jpg", (seed, split == "val", i), i % 5 == 4)
+                 for i in range(n)]
+    if processes > 1 and len(jobs) > 64:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(processes) as pool:
+            list(pool.map(_write_jpeg, jobs, [size] * len(jobs), [quality] * len(jobs), chunksize=32))
+    else:
+        for job in jobs:
+            _write_jpeg(job, size, quality)
+    return root
+
+
+def _write_jpeg(job: tuple[Path, tuple[int, ...], bool], size: tuple[int, int], quality: int) -> None:
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
+    path, key, portrait = job
+    rng = np.random.default_rng(key)
     w0, h0 = size
-    for split, n in (("train", train_images), ("val", val_images)):
-        for i in range(n):
-            k = i % classes
-            folder = root / split / f"class_{k:03d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            w, h = int(w0 * rng.uniform(0.8, 1.0)), int(h0 * rng.uniform(0.8, 1.0))
-            if i % 5 == 4:
-                w, h = h, w
-            coarse = rng.integers(0, 256, (max(h // 12, 2), max(w // 12, 2), 3), dtype=np.uint8)
-            field = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32)
-            pixels = np.clip(field + rng.normal(0.0, 22.0, field.shape), 0, 255).astype(np.uint8)
-            Image.fromarray(pixels).save(folder / f"{i:05d}.jpg", quality=quality)
-    return root
+    w, h = int(w0 * rng.uniform(0.8, 1.0)), int(h0 * rng.uniform(0.8, 1.0))
+    if portrait:
+        w, h = h, w
+    coarse = rng.integers(0, 256, (max(h // 12, 2), max(w // 12, 2), 3), dtype=np.uint8)
+    field = np.asarray(Image.fromarray(coarse).resize((w, h), Image.Resampling.BICUBIC), dtype=np.float32)
+    pixels = np.clip(field + rng.normal(0.0, 22.0, field.shape), 0, 255).astype(np.uint8)
+    Image.fromarray(pixels).save(path, quality=quality)
 
 
 def tree_stats(root: Path) -> dict[str, Any]:
@@ -135,7 +156,7 @@ def measure_cell(root: Path, split: str, workers: int, decodes: list[str], args:
     for d in decodes:
         cfg = data_config(root, d, workers, args.batch_size)
         loaders[d] = build_image_data(cfg, image_size=args.image_size, device=device, seed=args.seed,
-                                      channels_last=True)
+                                      channels_last=args.channels_last)
         one_pass(loaders[d], split, 0, device)  # warm-up: worker start, allocator, page cache
     rates: dict[str, list[float]] = {d: [] for d in decodes}
     cpu_rates: dict[str, list[float]] = {d: [] for d in decodes}
@@ -163,6 +184,43 @@ def measure_cell(root: Path, split: str, workers: int, decodes: list[str], args:
     del loaders
     gc.collect()  # shut the persistent workers down before the next cell starts its own
     return out
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+def train_runs(root: Path, decodes: list[str], args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """The engine on synthetic data, then on the tree per decode path: same model, batch, precision."""
+    from mptrain.cli import compose
+    from mptrain.config import register_configs, validate
+    from mptrain.engine import train
+
+    register_configs()
+    common = [f"model={args.train}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
+              f"trainer.device={device.type}", f"trainer.max_steps={args.train_steps}",
+              f"trainer.log_every={args.train_log_every}", "data.max_val_batches=1", "trainer.checkpoint_every=null",
+              f"trainer.channels_last={str(args.channels_last).lower()}", *args.train_overrides]
+    classes = sum(1 for p in (root / "train").iterdir() if p.is_dir())
+    workers = _int_list(args.workers, "--workers")[-1]
+    plans = [("synthetic", ["data=synthetic", f"data.num_classes={classes}",
+                            f"data.train_samples={max(args.images, args.batch_size)}"])]
+    plans += [(f"image_folder/{d}", ["data=image_folder", f"data.root={root}", f"data.decode={d}",
+                                     f"data.num_workers={workers}"]) for d in decodes]
+    records = []
+    for name, data in plans:
+        print(f"train {args.train} on {name}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="mptrain-bench-data-run-") as run_dir:
+            cfg = compose([*data, *common])
+            validate(cfg)
+            s = train(cfg, Path(run_dir))
+        records.append({"data": name, "throughput": s["throughput"], "data_wait_fraction": s["data_wait_fraction"],
+                        "data_wait_s": s["data_wait_s"], "precision": s["precision_resolved"],
+                        "steps": s["steps"], "overrides": [*data, *common]})
+        print(f"    {s['throughput']:,.1f} img/s, data wait {s['data_wait_fraction']:.0%}", file=sys.stderr, flush=True)
+    base = records[0]["throughput"]
+    for r in records:
+        r["vs_synthetic"] = r["throughput"] / base if base else None
+    return records
 
 
 # ------------------------------------------------------------------------------------ output
@@ -196,6 +254,12 @@ def markdown(result: dict[str, Any]) -> str:
                 ratio_txt = f"{ratio:.2f}x"
             lines.append(f"| {cell['split']} | {cell['workers']} | {d} | {rec['img_s']:,.0f} | "
                          f"{rec['img_s_per_worker']:,.0f} | {cpu} | {ratio_txt} | {rec['spread']:.0%} |")
+    if result.get("train"):
+        title = f"Training {meta['options']['train']} through the engine (median throughput over logging windows):"
+        lines += ["", title, "", "| data | img/s | vs synthetic | data wait (fraction of step time) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {r['data']} | {r['throughput']:,.1f} | {r['vs_synthetic']:.3f} | {r['data_wait_fraction']:.1%} |"
+                  for r in result["train"]]
     return "\n".join(lines) + "\n"
 
 
@@ -232,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decodes", default=None,
                    help=f"comma list of data.decode from {', '.join(DECODES)}; the first is the baseline of the "
                         "ratios (default: pil,cpu; pil,cpu,gpu on CUDA)")
-    p.add_argument("--splits", default="train,val", help="train (RandomResizedCrop + flip), val (resize + crop)")
+    p.add_argument("--splits", default="train,val",
+                   help="train (RandomResizedCrop + flip), val (resize + crop); empty: no loader cells")
     p.add_argument("--images", type=int, default=256, help="training images in the tree (default 256)")
     p.add_argument("--val-images", type=int, default=None, help="val images (default: same as --images)")
     p.add_argument("--classes", type=int, default=4, help="class folders (default 4)")
@@ -243,6 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the main process (default 1, as in a DataLoader worker)")
+    p.add_argument("--channels-last", action="store_true", help="channels_last batches (as trainer.channels_last)")
+    p.add_argument("--processes", type=int, default=os.cpu_count() or 1,
+                   help="processes writing the JPEG tree (default: all cores)")
+    p.add_argument("--train", default=None, metavar="MODEL",
+                   help="also train MODEL through the engine on synthetic data and on the tree (each decode path, "
+                        "the last --workers value)")
+    p.add_argument("--train-steps", type=int, default=100, help="steps per --train run (default 100)")
+    p.add_argument("--train-log-every", type=int, default=10, help="steps per throughput window (default 10)")
+    p.add_argument("--train-overrides", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="mptrain overrides for the --train runs, e.g. precision=mixed")
     p.add_argument("--root", type=Path, default=None, help="use this ImageFolder instead of generating one")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write <stem>.json and .md here")
@@ -283,7 +358,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         if root is None:
             tmp = tempfile.TemporaryDirectory(prefix="mptrain-bench-data-")
             root = make_jpeg_tree(Path(tmp.name), classes=args.classes, train_images=args.images,
-                                  val_images=args.val_images or args.images, seed=args.seed)
+                                  val_images=args.val_images or args.images, seed=args.seed,
+                                  processes=args.processes)
         meta = stamp(device, argv, torch.get_num_threads())
         meta["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         meta["method"] = METHOD
@@ -304,6 +380,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                     meta["load_average_end"] = [round(v, 2) for v in os.getloadavg()]
                 if args.out is not None:  # after every cell: a run cut short keeps what it measured
                     result["files"] = write_result(result, args.out, stem)
+        if args.train:
+            result["train"] = train_runs(root, decodes, args, device)
+            if args.out is not None:
+                result["files"] = write_result(result, args.out, stem)
         return result
     finally:
         torch.set_num_threads(threads)

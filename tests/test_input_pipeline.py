@@ -248,3 +248,45 @@ def test_cuda_decode_gpu_matches_decode_cpu(tree: Path) -> None:
             levels = (xg.cpu() - xr).abs() * torch.tensor(IMAGENET_STD)[:, None, None] * 255
             assert levels.mean() < 2.0, (split, levels.mean())
             assert torch.equal(yg.cpu(), yr)
+
+
+# ------------------------------------------------------------------------------------ mptrain-bench data
+
+
+def test_bench_data_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mptrain.bench import main
+
+    args = ["data", "--images", "8", "--classes", "2", "--workers", "0", "--rounds", "2", "--batch-size", "4",
+            "--image-size", "32", "--out", str(tmp_path), "--name", "r"]
+    assert main(args) == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    meta = result["meta"]
+    assert meta["command"].startswith("mptrain-bench data --images 8") and meta["device"] == "cpu"
+    assert meta["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert meta["tree"] == {"files": 16, "mean_bytes": meta["tree"]["mean_bytes"], "generated": True}
+    assert meta["tree"]["mean_bytes"] > 50_000  # ImageNet-like files, not flat colours
+    assert [(c["split"], c["workers"], list(c["decodes"])) for c in result["cells"]] == [
+        ("train", 0, ["pil", "cpu"]), ("val", 0, ["pil", "cpu"])]
+    for cell in result["cells"]:
+        pil, new = cell["decodes"]["pil"], cell["decodes"]["cpu"]
+        assert pil["vs_pil"] == 1.0 and len(new["img_s_rounds"]) == 2
+        assert new["img_s"] > 0 and new["img_cpu_s"] > 0 and new["vs_pil"] > 0
+    assert "| train | 0 | cpu |" in (tmp_path / "r.md").read_text()
+    assert main(["data", "--decodes", "gpu", "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "mptrain-bench data: error: --decodes gpu: needs a CUDA device (nvjpeg); use pil,cpu on CPU")
+
+
+def test_bench_data_trains_through_the_engine(tmp_path: Path) -> None:
+    from mptrain.bench import main
+
+    args = ["data", "--images", "4", "--classes", "2", "--splits", "", "--decodes", "cpu", "--workers", "0",
+            "--batch-size", "2", "--image-size", "32", "--train", "resnet50", "--train-steps", "2",
+            "--train-log-every", "1", "--train-overrides", "model.width_divisor=8", "--out", str(tmp_path),
+            "--name", "r"]
+    assert main(args) == 0
+    runs = json.loads((tmp_path / "r.json").read_text())["train"]
+    assert [r["data"] for r in runs] == ["synthetic", "image_folder/cpu"]
+    assert runs[0]["vs_synthetic"] == 1.0 and all(r["steps"] == 2 and r["throughput"] > 0 for r in runs)
+    assert 0 <= runs[1]["data_wait_fraction"] <= 1
+    assert "| image_folder/cpu |" in (tmp_path / "r.md").read_text()
