@@ -128,6 +128,22 @@ def test_bytes_path_decodes_like_the_workers(tree: Path, tmp_path: Path) -> None
         assert torch.equal(out[j], seeded[key][0])
 
 
+def test_bytes_pipeline_end_to_end_on_cpu(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole decode=gpu pipeline (workers read bytes, RawBatch through the worker queue, batched
+    decode and seeded augmentation where the batch lands), with the CPU standing in for CUDA: the
+    batches are bit-identical to decode=cpu's. Only nvjpeg itself needs a GPU (CUDA test below)."""
+    from mptrain.data import vision
+
+    monkeypatch.setattr(vision, "_check_decode_device", lambda decode, device: None)
+    ref = build(cfg(tree, batch_size=4))
+    raw = build(cfg(tree, batch_size=4, decode="gpu", num_workers=1))
+    for split in ("train", "val"):
+        for (xr, yr), (xb, yb) in zip(batches(ref, split, 1), batches(raw, split, 1), strict=True):
+            assert torch.equal(xr, xb) and torch.equal(yr, yb)
+    resumed = list(raw.train_batches(1, start=1))
+    assert torch.equal(resumed[0][0], batches(ref, "train", 1)[1][0])
+
+
 def test_decode_errors(tree: Path) -> None:
     with pytest.raises(MptrainError, match=r"^data.decode=gpu: decodes with nvjpeg on CUDA, but the device is cpu "
                                            r"\(use data.decode=cpu\)$"):

@@ -235,8 +235,17 @@ def read_image_uint8(path: str) -> Tensor:
 
 def read_jpeg_bytes(path: str) -> Tensor:
     """``data.decode=gpu``: a JPEG's bytes as 1-D uint8 for nvjpeg; other formats decoded here."""
-    data = read_file(path)
+    # clone: read_file's tensor is file-mapped, and a DataLoader worker cannot move such a storage
+    # to shared memory (the pickling fails in the queue's feeder thread, and the batch is lost).
+    data = read_file(path).clone()
     return data if is_jpeg(data) else read_image_uint8(path)
+
+
+def _check_decode_device(decode: str, device: torch.device) -> None:
+    # torchvision decodes a list of JPEGs on CPU too; only nvjpeg makes decode=gpu worth it.
+    if decode == "gpu" and device.type != "cuda":
+        raise MptrainError(f"data.decode=gpu: decodes with nvjpeg on CUDA, but the device is {device.type} "
+                           "(use data.decode=cpu)")
 
 
 def build_image_folder(cfg: Any, **kw: Any) -> LoaderData:
@@ -260,9 +269,7 @@ def build_image_folder(cfg: Any, **kw: Any) -> LoaderData:
     if decode not in DECODES:
         raise MptrainError(f"data.decode={decode}: unknown decode path (allowed: {', '.join(DECODES)})")
     device = kw["device"]
-    if decode == "gpu" and device.type != "cuda":
-        raise MptrainError(f"data.decode=gpu: decodes with nvjpeg on CUDA, but the device is {device.type} "
-                           "(use data.decode=cpu)")
+    _check_decode_device(decode, device)
     augment = bool(cfg.augment)
     extra: dict[str, Any] = {}
     if decode == "pil":
