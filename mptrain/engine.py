@@ -316,9 +316,10 @@ class Engine:
         self.throughput_windows = windows
 
     def _warn_data_wait(self, n_windows: int) -> bool:
-        """One line when a window (past the warm-up ones: worker start-up) was input-bound."""
+        """One line when a window (past the warm-up ones: worker start-up) was input-bound; rank 0's
+        view, like every other console line (warnings would otherwise come from every rank)."""
         per_step, fraction = self.data_wait_windows[-1]
-        if n_windows <= self.cfg.trainer.warmup_windows or fraction <= DATA_WAIT_WARN:
+        if not self.dist.is_main or n_windows <= self.cfg.trainer.warmup_windows or fraction <= DATA_WAIT_WARN:
             return False
         d = self.cfg.data
         hint = "a faster data source"  # the in-memory datasets have no workers to add

@@ -233,7 +233,8 @@ def test_stall_line_says_what_to_try(data: dict[str, Any], device: str, hint: st
     from mptrain.engine import Engine
 
     fake = SimpleNamespace(cfg=OmegaConf.create({"data": data, "trainer": {"warmup_windows": 1}}),
-                           device=torch.device(device), step=40, data_wait_windows=[(0.02, 0.25)])
+                           device=torch.device(device), step=40, data_wait_windows=[(0.02, 0.25)],
+                           dist=SimpleNamespace(is_main=True))
     caplog.set_level(logging.INFO, logger="mptrain")
     assert not Engine._warn_data_wait(fake, 1)  # the warm-up window (worker start-up) never warns
     assert Engine._warn_data_wait(fake, 2)
@@ -242,6 +243,8 @@ def test_stall_line_says_what_to_try(data: dict[str, Any], device: str, hint: st
     assert line.endswith(hint)
     fake.data_wait_windows = [(0.001, 0.05)]
     assert not Engine._warn_data_wait(fake, 3)
+    fake.data_wait_windows, fake.dist.is_main = [(0.02, 0.25)], False
+    assert not Engine._warn_data_wait(fake, 3)  # other ranks stay quiet
 
 
 # ------------------------------------------------------------------------------------ CUDA
