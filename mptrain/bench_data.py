@@ -258,11 +258,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"- cpus: {meta['cpu_count']}, load average {meta.get('load_average_start')} -> "
         f"{meta.get('load_average_end')} (shared machine: read the ratios, not the absolute figures)",
         f"- method: {meta['method']}",
-        "",
-        f"| split | workers | decode | img/s | img/s per worker | vs {base} (wall) | img/cpu-s | vs {base} (cpu) "
-        "| spread |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    if result["cells"]:
+        lines += ["", f"| split | workers | decode | img/s | img/s per worker | vs {base} (wall) | img/cpu-s "
+                      f"| vs {base} (cpu) | spread |", "|---|---|---|---|---|---|---|---|---|"]
     for cell in result["cells"]:
         for d, rec in cell["decodes"].items():
             lines.append(f"| {cell['split']} | {cell['workers']} | {d} | {rec['img_s']:,.0f} | "
