@@ -22,7 +22,7 @@ from PIL import Image
 from mptrain.bench_data import make_jpeg_tree
 from mptrain.config import DataConfig
 from mptrain.data import ImageData, build_image_data
-from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw
+from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw, collate_uint8
 from mptrain.data.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -101,8 +101,14 @@ def test_feeder_normalises_uint8_on_the_device_side() -> None:
     assert out.dtype == torch.float32 and out.is_contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(out, (x.float() / 255 - mean) / std)
     assert torch.equal(labels, y)
+    # channels_last uint8, as collate_uint8 batches them, to an NCHW model input: same values.
+    nchw = DeviceFeeder(CPU, memory_format=torch.contiguous_format, non_blocking=False, mean=IMAGENET_MEAN,
+                        std=IMAGENET_STD)
+    out_cl = next(nchw(iter([(x.contiguous(memory_format=torch.channels_last), y)])))[0]
+    assert out_cl.is_contiguous()
+    torch.testing.assert_close(out_cl, (x.float() / 255 - mean) / std)
     # Finished (float) batches, as decode=pil and CIFAR-10 make them, are only moved.
-    plain = DeviceFeeder(CPU, memory_format=torch.preserve_format, non_blocking=False)
+    plain = DeviceFeeder(CPU, memory_format=torch.contiguous_format, non_blocking=False)
     f = torch.randn(2, 3, 5, 4)
     assert next(plain(iter([(f, y)])))[0] is f
 
@@ -122,10 +128,13 @@ def test_bytes_path_decodes_like_the_workers(tree: Path, tmp_path: Path) -> None
     raw = collate_raw([(read_jpeg_bytes(ds.samples[i][0]), ds.samples[i][1], i) for _, i in keys]
                       + [(read_jpeg_bytes(str(png)), 0, 1)])
     assert raw.items[0].dim() == 1  # bytes, not pixels
+    packed, labels = collate_uint8([seeded[k] for k in keys])
+    assert packed.is_contiguous(memory_format=torch.channels_last)
+    assert labels.tolist() == [ds.targets[i] for _, i in keys]
     out = JpegDecoder(train_tf, CPU, seed=3, augment=True)(raw, epoch=2)
     assert out.shape == (4, 3, 24, 24) and out.dtype == torch.uint8
     for j, key in enumerate(keys):
-        assert torch.equal(out[j], seeded[key][0])
+        assert torch.equal(out[j], seeded[key][0]) and torch.equal(packed[j], out[j])
 
 
 def test_bytes_pipeline_end_to_end_on_cpu(tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2.functional import pil_to_tensor
 
 from mptrain.data.base import Batch, EpochOrder, ImageData, check_start, check_steps, val_shard
-from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw, is_jpeg, seeded_rng
+from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw, collate_uint8, is_jpeg, seeded_rng
 from mptrain.errors import MptrainError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -121,7 +121,7 @@ class LoaderData(ImageData):
         self.train_size = len(train_set)  # type: ignore[arg-type]
         self.val_size = len(val_set)  # type: ignore[arg-type]
         self.device = device
-        self.memory_format = torch.channels_last if channels_last else torch.preserve_format
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
         self.info = info or {}
         batch_size = int(cfg.batch_size)
         val_batch_size = int(cfg.val_batch_size or batch_size)
@@ -146,6 +146,8 @@ class LoaderData(ImageData):
         }
         if decoders:
             kw["collate_fn"] = collate_raw
+        elif mean is not None:
+            kw["collate_fn"] = collate_uint8
         if workers > 0:
             # Workers survive between epochs (and evaluations) instead of being re-forked each time.
             kw.update(persistent_workers=True, prefetch_factor=int(cfg.prefetch_factor))
@@ -214,12 +216,32 @@ def image_folder_transforms(image_size: int, augment: bool) -> tuple[T.Compose, 
     return T.Compose(train + finish), T.Compose(center + finish)
 
 
+class PackedRandomResizedCrop(v2.RandomResizedCrop):
+    """``v2.RandomResizedCrop``, same parameters and random draws, with the crop of a CPU uint8
+    image packed channels_last before the resize.
+
+    torch's uint8 antialiased resize has an AVX2 path for packed channels_last images; the crop is
+    a strided view into the decoded image and misses it (measured on this project's AVX2 CPU, one
+    300x260 crop to 224: 0.31 ms as a view, 0.21 ms packed, copy included). The decoded image
+    itself is packed (HWC memory), so the val path's resize already takes the fast path. The
+    output stays channels_last, and so does the batch (``collate_uint8``).
+    """
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        if not (isinstance(inpt, Tensor) and inpt.dtype == torch.uint8 and inpt.device.type == "cpu"):
+            return super().transform(inpt, params)
+        crop = v2.functional.crop(inpt, params["top"], params["left"], params["height"], params["width"])
+        packed = crop[None].contiguous(memory_format=torch.channels_last)[0]
+        return v2.functional.resize(packed, list(self.size), interpolation=self.interpolation,
+                                    antialias=self.antialias)
+
+
 def image_folder_transforms_v2(image_size: int, augment: bool) -> tuple[v2.Compose, v2.Compose]:
     """``data.decode=cpu|gpu``: the same ops as ``image_folder_transforms`` on uint8 CHW tensors,
     without the float finish (that happens on the device). The v2 ops draw their random parameters
     in the same order from the same generator as the PIL ones: same seed, same crop and flip."""
     center = [v2.Resize(int(image_size / CENTER_CROP_FRACTION), antialias=True), v2.CenterCrop(image_size)]
-    train = [v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()] if augment else center
+    train = [PackedRandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()] if augment else center
     return v2.Compose(train), v2.Compose(center)
 
 
