@@ -75,6 +75,22 @@ def test_decode_cpu_keeps_the_pil_augmentation(tree: Path) -> None:
     assert not torch.allclose(e0, e1)
 
 
+def test_packed_crop_is_random_resized_crop(tree: Path) -> None:
+    """The packed crop (a speed detail) draws the same parameters and gives the same bytes."""
+    from torchvision.transforms import v2
+
+    from mptrain.data.vision import PackedRandomResizedCrop
+
+    img = read_image_uint8(str(next((tree / "train").rglob("*.jpg"))))
+    plain, packed = v2.RandomResizedCrop(20, antialias=True), PackedRandomResizedCrop(20, antialias=True)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        a = plain(img)
+        torch.manual_seed(seed)
+        b = packed(img)
+        assert torch.equal(a, b) and b.stride()[0] == 1  # HWC memory: channels innermost
+
+
 def test_decode_cpu_order_resume_workers_and_shards(tree: Path) -> None:
     c = cfg(tree, batch_size=2)
     full = batches(build(c), "train", 1)
