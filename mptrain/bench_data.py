@@ -1,10 +1,10 @@
 """``mptrain-bench data``: the image_folder input pipeline alone (no model), on real JPEG files.
 
     mptrain-bench data --workers 0,1,2 --decodes pil,cpu --out docs/benchmarks
-    mptrain-bench data --device cuda --workers 4,8,16 --decodes pil,cpu,gpu --batch-size 256 \\
-        --images 2048 --out docs/benchmarks
-    mptrain-bench data --device cuda --workers 15 --decodes cpu,gpu --batch-size 256 --images 8192 \\
-        --splits train --train resnet50 --train-overrides precision=mixed trainer.channels_last=true
+    mptrain-bench data --device cuda --workers 4,8,15 --decodes pil,cpu,gpu --batch-size 256 \\
+        --images 4096 --channels-last --out docs/benchmarks
+    mptrain-bench data --device cuda --workers 15 --decodes cpu,gpu --batch-size 256 --images 32768 \\
+        --splits "" --channels-last --train resnet50 --train-overrides precision=mixed
 
 ``--train MODEL`` then trains MODEL through the real engine (``mptrain.engine.train``), once on
 synthetic data and once on the JPEG tree per decode path, same config otherwise, and reports the
