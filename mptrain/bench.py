@@ -4,6 +4,7 @@
         --steps 20 --warmup 5 --image-size 64 --width-divisor 4 --out docs/benchmarks
     mptrain-bench --models resnet50 --precisions fp32,tf32,amp_fp16,amp_bf16,fp16_master \\
         --batch-sizes 256 --overrides trainer.channels_last=true --fast-paths --out docs/benchmarks
+    mptrain-bench data --workers 0,1,2 --out docs/benchmarks   # the input pipeline alone: bench_data.py
 
 A cell is one (model, precision, batch size, variant). A variant is the base config (the grid plus
 ``--overrides``) or the base with one fast path toggled (``--fast-paths``: channels_last, compile,
@@ -1196,6 +1197,10 @@ def write_result(result: dict[str, Any], out: Path, stem: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point ``mptrain-bench``. Exit status 2 on bad input, with one line on stderr."""
     args_list = sys.argv[1:] if argv is None else list(argv)
+    if args_list[:1] == ["data"]:  # the input pipeline alone: its own module
+        from mptrain import bench_data
+
+        return bench_data.main(args_list[1:])
     args = build_parser().parse_args(args_list)
     try:
         result = run(args, args_list)

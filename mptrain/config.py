@@ -89,6 +89,9 @@ class DataConfig:
     val_samples: int = 256  # synthetic: validation samples
     val_fraction: float = 0.2  # digits: held-out fraction
     augment: bool = True  # random crop / flip on real training images
+    # image_folder: cpu (torchvision.io decode + v2 ops on uint8 in workers, normalised on the device),
+    # gpu (workers read bytes; nvjpeg decode and augmentation on CUDA), pil (the legacy float host path)
+    decode: str = "cpu"
     pin_memory: bool = True
     prefetch_factor: int = 4
     max_val_batches: int | None = None  # null: the whole validation set
@@ -386,6 +389,9 @@ def validate(cfg: DictConfig) -> None:
     _at_least(d.val_samples, 1, "data.val_samples")
     _at_least(d.max_val_batches, 1, "data.max_val_batches", allow_none=True)
     check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
+    _one_of(d.decode, ("cpu", "gpu", "pil"), "data.decode")
+    check(d.decode == "cpu" or d.name == "image_folder",
+          f"data.decode={d.decode}: only data=image_folder decodes image files (leave data.decode=cpu)")
     if d.root is not None and d.name in ("image_folder", "cifar10", "text_corpus"):
         root = Path(d.root).expanduser()
         check(root.is_dir(), f"data.root={d.root}: no such directory")

@@ -52,6 +52,9 @@ from mptrain.telemetry import GradientTelemetry, build_telemetry
 
 log = logging.getLogger("mptrain")
 
+# A run whose steps spend more than this fraction of their time waiting for batches is input-bound.
+DATA_WAIT_WARN = 0.10
+
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     """``trainer.device``: auto (CUDA when available), cpu or cuda (this rank's GPU)."""
@@ -259,6 +262,8 @@ class Engine:
         windows: list[float] = []
         buffer: list[tuple[int, list[Tensor]]] = []
         t0, samples, window_steps = time.perf_counter(), 0, 0
+        # Host time spent in next(batches), per window: two perf_counter calls per step, no device sync.
+        wait, self.data_wait_windows, warned = 0.0, [], False
         skipped_logged = float(self.skipped)
         for slot in self.slots:
             slot.module.train()
@@ -266,7 +271,9 @@ class Engine:
             epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
             batches = self.task.train_batches(epoch, start=in_epoch * t.grad_accum)
             for _ in range(in_epoch, self.steps_per_epoch):
+                w0 = time.perf_counter()
                 micro = [next(batches) for _ in range(t.grad_accum)]
+                wait += time.perf_counter() - w0
                 samples += sum(self.task.batch_size(b) for b in micro)
                 buffer.append((self.step + 1, self._train_step(micro)))
                 self.step += 1
@@ -281,9 +288,12 @@ class Engine:
                     elapsed = time.perf_counter() - t0
                     rate = samples * self.dist.world_size / elapsed  # global throughput
                     windows.append(rate)
+                    self.data_wait_windows.append((wait / window_steps, wait / elapsed))
                     skipped_logged = self._flush(buffer, rate, elapsed / window_steps, skipped_logged)
+                    warned = warned or self._warn_data_wait(len(windows))
                     buffer.clear()
                     t0, samples, window_steps = time.perf_counter(), 0, 0
+                    wait = 0.0
                 evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
@@ -295,6 +305,7 @@ class Engine:
                 if evaluate or checkpoint_now:
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
+                    wait = 0.0
                 if self._stop_requested(log_step):
                     self.throughput_windows = windows
                     if not checkpoint_now:
@@ -303,6 +314,24 @@ class Engine:
                 if done:
                     break
         self.throughput_windows = windows
+
+    def _warn_data_wait(self, n_windows: int) -> bool:
+        """One line when a window (past the warm-up ones: worker start-up) was input-bound; rank 0's
+        view, like every other console line (warnings would otherwise come from every rank)."""
+        per_step, fraction = self.data_wait_windows[-1]
+        if not self.dist.is_main or n_windows <= self.cfg.trainer.warmup_windows or fraction <= DATA_WAIT_WARN:
+            return False
+        d = self.cfg.data
+        hint = "a faster data source"  # the in-memory datasets have no workers to add
+        if d.name in ("image_folder", "cifar10"):
+            hint = f"more data.num_workers (now {d.num_workers})"
+        if d.name == "image_folder" and d.get("decode") == "pil":
+            hint += ", data.decode=cpu"
+        if d.name == "image_folder" and d.get("decode") != "gpu" and self.device.type == "cuda":
+            hint += ", data.decode=gpu"
+        log.warning("input-bound: steps spent %.0f%% of their time waiting for data (%.1f ms/step) at step %d; "
+                    "try %s", 100 * fraction, 1e3 * per_step, self.step, hint)
+        return True
 
     def _stop_requested(self, log_step: bool) -> bool:
         """A stop signal seen by any rank. Alone, every step (a host flag); with several ranks,
@@ -356,6 +385,9 @@ class Engine:
                 slot.telemetry.flush(logger, step)
         logger.scalar("train/throughput", rate, step)
         logger.scalar("train/step_time", step_time, step)
+        wait_s, wait_frac = self.data_wait_windows[-1]
+        logger.scalar("train/data_wait", wait_s, step)
+        logger.scalar("train/data_wait_fraction", wait_frac, step)
         if self.device.type == "cuda":
             logger.scalar("train/peak_memory", torch.cuda.max_memory_allocated(self.device), step)
         first = self.slots[0]
@@ -366,7 +398,8 @@ class Engine:
                 extra[f"loss_{slot.objective.name}"] = last[i]
                 i += 3 + len(slot.extra_names)
         logger.window(step, {"loss": last[0], "lr": first.optimizer.param_groups[0]["lr"], "scale": last[1],
-                             "skipped": int(skipped_total), "throughput": rate, "extra": extra})
+                             "skipped": int(skipped_total), "throughput": rate, "extra": extra,
+                             "data_wait": (wait_s, wait_frac)})
         self.task.log_media(logger, step)
         self.last_loss = last[0]
         run = int(distributed.all_reduce(self.nonfinite_run.clone(), "max"))
@@ -474,6 +507,7 @@ class Engine:
             "primary_metric": self.task.primary_metric,
             "throughput": statistics.median(kept) if kept else None,
             "throughput_unit": self.task.unit,
+            **_data_wait_summary(getattr(self, "data_wait_windows", []), cfg.trainer.warmup_windows),
             "peak_memory_bytes": (
                 torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
             ),
@@ -486,6 +520,13 @@ class Engine:
             "versions": _versions(),
             "run_dir": str(self.run_dir),
         }
+
+
+def _data_wait_summary(windows: list[tuple[float, float]], warmup: int) -> dict[str, float | None]:
+    """Median over the logging windows past the warm-up ones, like the throughput."""
+    kept = windows[warmup:] or windows[-1:]
+    return {"data_wait_s": statistics.median(w for w, _ in kept) if kept else None,
+            "data_wait_fraction": statistics.median(f for _, f in kept) if kept else None}
 
 
 def _device_name(device: torch.device) -> str:

@@ -70,6 +70,9 @@ class RunLogger:
             self.progress.update(self._task, completed=step, loss=f"{line['loss']:.4f}",
                                  scale=f"{line['scale']:g}", rate=rate)
         extras = "".join(f" {k} {v:.4g}" for k, v in line.get("extra", {}).items())
+        if line.get("data_wait") is not None:
+            wait_s, frac = line["data_wait"]
+            extras += f"  data_wait {wait_s * 1e3:.1f} ms/step ({frac:.0%})"
         log.info(
             "step %d  loss %.4f  lr %.4g  scale %g  skipped %d  %s%s",
             step, line["loss"], line["lr"], line["scale"], line["skipped"], rate, extras,
@@ -119,6 +122,7 @@ class RunLogger:
             *((f"val {k}", _fmt(v)) for k, v in summary["metrics"].items()),
             ("throughput", f"{_fmt(summary['throughput'])} {summary.get('throughput_unit', 'samples')}/s"),
             ("peak memory", _bytes(summary["peak_memory_bytes"])),
+            ("data wait", _wait(summary.get("data_wait_s"), summary.get("data_wait_fraction"))),
             ("wall time", f"{summary['wall_time_s']:.1f} s"),
             ("run dir", str(summary.get("run_dir", ""))),
         ]
@@ -129,6 +133,10 @@ class RunLogger:
 
 def _fmt(v: Any) -> str:
     return "-" if v is None else f"{v:,.4f}" if isinstance(v, float) else str(v)
+
+
+def _wait(seconds: float | None, fraction: float | None) -> str:
+    return "-" if seconds is None or fraction is None else f"{seconds * 1e3:,.1f} ms/step ({fraction:.0%} of step time)"
 
 
 def _bytes(n: int | None) -> str:
