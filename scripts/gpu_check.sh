@@ -27,14 +27,8 @@ exec > >(tee "$LOG") 2>&1
 say() { printf '\n== [%4ds] %s\n' "$SECONDS" "$*"; }
 left() { echo $((BUDGET - SECONDS)); }
 
-# The GPU machine has torch, torchvision, tensorboard, rich and pytest; Hydra, omegaconf, antlr4,
-# submitit and torchao come as carried wheels. mptrain itself runs from this checkout.
-export PYTHONPATH=$PWD
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl || { echo "gpu_check: installing the carried wheels failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+# The GPU machine has torch, torchvision, tensorboard, rich and pytest; the rest comes as wheels.
+source scripts/gpu_env.sh
 export MPTRAIN_RUNS=$WORK/runs PYTHONUNBUFFERED=1
 
 say "device"
@@ -54,10 +48,10 @@ declare -A RESULT
 
 # 1. The CUDA tests and the CPU suite side by side: one uses the GPU, the other the 16 cores, and
 #    neither is timed. The CPU suite runs with the GPU visible, as it would on a user's GPU box.
-say "CUDA tests (tests/test_cuda.py) || CPU suite (pytest -n 8)"
-timeout 300 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rfEs >"$WORK/cuda.log" 2>&1 &
+say "CUDA tests (pytest -m cuda) || CPU suite (pytest -m 'not cuda' -n 8)"
+timeout 300 python3 -m pytest -m cuda -q -p no:cacheprovider -rfEs >"$WORK/cuda.log" 2>&1 &
 cuda_pid=$!
-timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --ignore=tests/test_cuda.py >"$WORK/cpu.log" 2>&1 &
+timeout 300 python3 -m pytest -m "not cuda" -q -p no:cacheprovider -n 8 -rfE >"$WORK/cpu.log" 2>&1 &
 cpu_pid=$!
 wait $cuda_pid; RESULT[cuda_tests]=$?
 wait $cpu_pid; RESULT[cpu_suite]=$?
@@ -87,5 +81,6 @@ else
 fi
 
 say "summary (exit status per stage; 124 = ran out of its time)"
+echo "  (the input pipeline's GPU figures are separate calls: scripts/gpu_check_data.sh loader|train)"
 for k in cuda_tests cpu_suite main_job bench bench_compile; do printf '  %-14s %s\n' "$k" "${RESULT[$k]}"; done
 grep -hE "^(FAILED|ERROR)|passed|failed" "$WORK/cuda.log" "$WORK/cpu.log" | tail -30
