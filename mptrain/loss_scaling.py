@@ -195,11 +195,14 @@ class DynamicScaler(_GradScalerBase):
     """GradScaler's dynamic policy, plus what it lacks.
 
     On overflow: skip the step; spend one unit of hysteresis, and once it is spent multiply the
-    scale by ``backoff_factor``. After ``growth_interval`` consecutive clean steps multiply it by
-    ``growth_factor``. With hysteresis=1 and no floor or cap this is GradScaler's rule, and torch's
-    fused ``_amp_update_scale_`` runs it; the rest is written by hand because GradScaler has no
+    scale by ``backoff_factor`` on this and every further overflow until the budget refills (when
+    the scale grows, or on every clean step with ``consecutive_hysteresis``: DeepSpeed's rule).
+    After ``growth_interval`` consecutive clean steps multiply it by ``growth_factor``. With
+    hysteresis=1 and no floor or cap this is GradScaler's rule, and torch's fused
+    ``_amp_update_scale_`` runs it; the rest is written by hand because GradScaler has no
     hysteresis, floor or cap (tests/test_loss_scaling.py checks the hand-written path reproduces
-    GradScaler's trajectory when those features are configured not to bite).
+    GradScaler's trajectory when those features are configured not to bite, and DeepSpeed's
+    when hysteresis bites).
     """
 
     policy = "dynamic"
@@ -243,18 +246,20 @@ class DynamicScaler(_GradScalerBase):
         overflow = found_inf > 0
         hysteresis_spent = self._hysteresis_left <= 1
         back_off = overflow & hysteresis_spent
-        # Hysteresis: an overflow first uses up budget; the budget refills when the scale backs
-        # off, and after every clean step if consecutive_hysteresis.
-        refill = back_off | (~overflow & self.consecutive_hysteresis)
+        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        # Hysteresis, DeepSpeed's rule (DynamicLossScaler.update_scale): an overflow spends one unit
+        # of budget while more than one is left; once it is spent, every further overflow backs off
+        # (a storm halves the scale each time). The budget refills only when the scale grows, or
+        # after every clean step with consecutive_hysteresis; never on back-off.
+        refill = ~overflow & (grow | self.consecutive_hysteresis)
         self._hysteresis_left.copy_(
             torch.where(
                 refill,
                 torch.full_like(self._hysteresis_left, self.hysteresis),
-                torch.where(overflow, self._hysteresis_left - 1, self._hysteresis_left),
+                torch.where(overflow & ~hysteresis_spent, self._hysteresis_left - 1, self._hysteresis_left),
             )
         )
-        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
-        grow = tracker >= self.growth_interval
         new_scale = torch.where(
             back_off,
             self._scale * self.backoff_factor,
