@@ -57,8 +57,9 @@ device value on the host; the backward hooks only queue device ops.
 Scales are computed on the first backward of a step that reaches a site/join and reused by later
 backwards of the same step (gradient accumulation, several forwards): a parameter's gradient must
 carry one P however many backwards add to it. With ``recompute_every`` N > 1 they are recomputed
-every N optimizer steps, and on the step after a skipped one when that is known on the host (a
-non-fused optimizer's step reads found_inf anyway).
+every N optimizer steps, and on the step after a skipped one (a non-fused optimizer's step reads
+found_inf on the host anyway; after a fused optimizer's device-side skip, ``update`` reads it: one
+host sync per step, only when N > 1).
 
 Limitations: the model must be torch.fx-traceable (otherwise MptrainError: without the graph,
 branch joins cannot be made consistent); a parameter shared by places whose gradients carry
@@ -371,6 +372,7 @@ class AdaptiveScaler(LossScaler):
         self._aliases: dict[int, Tensor] = {}
         self._unscaled: dict[int, Tensor] = {}  # id(optimizer) -> its found_inf this step
         self._stepped: set[int] = set()
+        self._device_found_inf: list[Tensor] = []  # fused steps' skip flags, read in update()
         self._param_names: dict[int, str] = {}
         self._pending_state: dict[str, Any] | None = None
         self._sync_ranks = False
@@ -678,6 +680,8 @@ class AdaptiveScaler(LossScaler):
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
+            # No host read here; update() decides whether the cached scales must be recomputed.
+            self._device_found_inf.append(found_inf)
             return
         # The one host sync GradScaler also makes for non-fused optimizers.
         if bool(found_inf.item()):
@@ -687,7 +691,15 @@ class AdaptiveScaler(LossScaler):
 
     def update(self) -> None:
         self._step += 1
-        self._recompute = self._force_recompute or self._step % self.recompute_every == 0
+        scheduled = self._step % self.recompute_every == 0
+        if self._device_found_inf and not scheduled and not self._force_recompute:
+            # A fused optimizer skipped (or not) on the device. Stale scales that overflowed would
+            # overflow again on every step until the next scheduled recompute, so read the flag:
+            # one host sync per step, and only with recompute_every > 1 (otherwise every step
+            # recomputes anyway).
+            self._force_recompute = bool(torch.stack([f.reshape(()) for f in self._device_found_inf]).max().item())
+        self._device_found_inf.clear()
+        self._recompute = self._force_recompute or scheduled
         self._force_recompute = False
         self._fresh.clear()
         self._unscaled.clear()

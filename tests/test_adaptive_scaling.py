@@ -389,6 +389,35 @@ def test_non_finite_gradient_skips_the_step(fused: bool) -> None:
             assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_skip_forces_fresh_scales_with_every_optimizer_implementation(opt_name: str, impl: str) -> None:
+    # recompute_every=1000: only the forced recompute after a skipped step can pick new scales.
+    # Gradients grow 2^28 at step 5: the cached scales overflow FP16 once; fresh ones fit. lr=0
+    # keeps the model (and so the gradients) fixed, so any further skip is a stale scale.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    scaler = AdaptiveScaler(CPU, recompute_every=1000, layer_cap=2.0**20, accum_cap=2.0**40)
+    scaler.attach(model)
+    kw = {"foreach": False} if impl == "for-loop" else {impl: True}
+    cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=0.0, **kw)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    skipped = []
+    for step in range(35):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(F.cross_entropy(out.float(), y) * (2.0**-14 if step < 5 else 2.0**14)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(int(scaler.found_inf.item()))
+        if step == 4:
+            assert scaler.telemetry()["cum_scale"].max().item() >= 64  # cached scales that lift
+    assert skipped == [0] * 5 + [1] + [0] * 29
+
+
 # Caps out of the way and gradients shrinking 4x per step, so that every recomputation differs.
 RECOMPUTE_3 = {"recompute_every": 3, "layer_cap": 2.0**20, "accum_cap": 2.0**40}
 
