@@ -121,6 +121,7 @@ class FP8PrecisionConfig(PrecisionConfig):
     backend: str = "emulated"  # emulated | torchao
     recipe: str = "tensorwise"  # torchao: tensorwise | rowwise | rowwise_with_gw_hp
     format: str = "e5m2"  # emulated: e5m2 (the paper's 1-5-2 everywhere) | hybrid (E4M3 fwd, E5M2 bwd)
+    scaling: str = "loss"  # emulated: loss (Mellempudi et al.: no per-tensor scales) | tensor (current scaling)
     master_weights: str = "fp16"  # emulated: fp16 (Mellempudi et al.) | fp32
     stochastic_rounding: bool = True  # emulated: stochastic rounding of gradients and master weights
     emulated_compute: str = "fp32"  # emulated: dtype the quantized values are multiplied in
@@ -432,6 +433,7 @@ def validate(cfg: DictConfig) -> None:
         _one_of(p.backend, ("emulated", "torchao"), "precision.backend")
         _one_of(p.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "precision.recipe")
         _one_of(p.format, ("e5m2", "hybrid"), "precision.format")
+        _one_of(p.scaling, ("loss", "tensor"), "precision.scaling")
         _one_of(p.master_weights, ("fp16", "fp32"), "precision.master_weights")
         _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
 

@@ -23,7 +23,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import DivergedError, MptrainError
@@ -85,6 +84,17 @@ class LossScaler(ABC):
     def telemetry(self) -> dict[str, Tensor]:
         """Extra per-step device scalars/vectors to log (per-layer scales for ``adaptive``)."""
         return {}
+
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        """Build from ``loss_scale.*`` without ``name`` (empty when ``auto`` chose this policy)."""
+        return cls(device, **params)  # type: ignore[call-arg]
+
+    def grad_scales(self, optimizer: torch.optim.Optimizer) -> dict[int, Tensor]:
+        """The scale each gradient carries before ``unscale_`` (by ``id`` of the optimizer's
+        parameter). One loss-level scale here; ``adaptive`` gives each layer's own."""
+        s = self.scale_value
+        return {id(p): s for g in optimizer.param_groups for p in g["params"]}
 
 
 class NoScaler(LossScaler):
@@ -187,8 +197,12 @@ class StaticScaler(_GradScalerBase):
 
     policy = "static"
 
-    def __init__(self, device: torch.device, scale: float) -> None:
+    def __init__(self, device: torch.device, scale: float = 128.0) -> None:
         super().__init__(device, scale)
+
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        return cls(device, scale=float(params.get("scale", 128.0)))
 
 
 class DynamicScaler(_GradScalerBase):
@@ -300,6 +314,15 @@ class DynamicScaler(_GradScalerBase):
         return {**super().summary(), "growth_tracker": int(self._growth_tracker)}
 
 
+# The enhanced policy's defaults (configs/loss_scale/enhanced.yaml states the same; a test checks
+# they agree), used as they are when loss_scale=auto picks enhanced for FP8: a floor that rises.
+ENHANCED_DEFAULTS: dict[str, Any] = {
+    "init_scale": 65536.0,
+    "growth_interval": 1000,
+    "min_scale_schedule": {0: 1.0, 1000: 64.0, 5000: 512.0},
+}
+
+
 class EnhancedScaler(DynamicScaler):
     """Mellempudi et al. 2019's enhanced loss scaling for FP8.
 
@@ -338,35 +361,8 @@ class EnhancedScaler(DynamicScaler):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "min_scale": self.current_floor()}
 
-
-def resolve_policy(loss_scale: str, precision_resolved: str, fp8_backend: str | None = None) -> str:
-    """``auto`` picks the policy a precision needs: dynamic for FP16 compute, enhanced for emulated
-    FP8, none for fp32/tf32/bf16 (bf16 has FP32's exponent range)."""
-    if loss_scale != "auto":
-        return loss_scale
-    if precision_resolved in ("amp_fp16", "fp16_master"):
-        return "dynamic"
-    if precision_resolved == "fp8" and fp8_backend == "emulated":
-        return "enhanced"
-    return "none"
-
-
-def build_scaler(cfg: DictConfig, policy: str, device: torch.device) -> LossScaler:
-    """Make the scaler for one loss. Reads ``loss_scale.*`` (policy already resolved from auto)."""
-    params = {k: v for k, v in cfg.items() if k != "name"}
-    if policy == "none":
-        return NoScaler(device)
-    if policy == "static":
-        return StaticScaler(device, scale=float(cfg.get("scale", 128.0)))
-    if policy == "dynamic":
-        return DynamicScaler(device, **params) if cfg.name == "dynamic" else DynamicScaler(device)
-    if policy == "enhanced":
-        if cfg.name != "enhanced":  # auto on fp8: the enhanced defaults
-            return EnhancedScaler(device, min_scale_schedule={0: 1.0})
-        schedule = params.pop("min_scale_schedule")
-        return EnhancedScaler(device, min_scale_schedule=dict(schedule), **params)
-    if policy == "adaptive":
-        from mptrain.adaptive_scaling import AdaptiveScaler
-
-        return AdaptiveScaler(device, **params)
-    raise MptrainError(f"loss_scale={policy!r}: unknown policy")
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        params = dict(params) if params else dict(ENHANCED_DEFAULTS)
+        schedule = dict(params.pop("min_scale_schedule"))
+        return cls(device, min_scale_schedule=schedule, **params)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
+from mptrain.fp8 import Fp8State, convert_model, stochastic_round
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ class MasterWeights:
             if self.stochastic_rounding and p.dtype == torch.bfloat16:
                 p.copy_(stochastic_round_to_bf16(m))
             elif self.stochastic_rounding and p.dtype == torch.float16:
-                from mptrain.fp8 import stochastic_round
-
                 p.copy_(stochastic_round(m, torch.float16))
             else:
                 p.copy_(m)
@@ -108,7 +107,7 @@ class Precision:
     fp8: str | None = None  # "torchao" (real FP8 kernels) | "emulated" | None
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
-    fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
+    fp8_state: Fp8State | None = None  # every converted network of the task, for after_step
 
     @property
     def half_dtype(self) -> torch.dtype | None:
@@ -137,9 +136,8 @@ class Precision:
                     if isinstance(module, _NORM_TYPES):
                         module.float()
         if self.fp8 is not None:
-            from mptrain import fp8
-
-            model = fp8.convert_model(model, self)
+            # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
+            model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
         return model
 
     def master_weights(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MasterWeights | None]:
@@ -159,10 +157,8 @@ class Precision:
 
     def after_step(self) -> None:
         """Per-step work of the precision itself, after every optimizer step (FP8 master rounding)."""
-        if self.fp8 == "emulated":
-            from mptrain import fp8
-
-            fp8.after_step(self)
+        if self.fp8_state is not None:
+            self.fp8_state.after_step()
 
     def input_cast(self, x: Tensor) -> Tensor:
         """Inputs follow the weights' dtype when the model itself is stored in low precision."""
@@ -226,10 +222,13 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
         if backend == "torchao":
             _check_torchao(device)
             p.autocast_dtype = torch.bfloat16  # non-Linear ops run in bf16 around the FP8 matmuls
-        elif options.get("master_weights", "fp16") == "fp16":
-            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP16 master weights"
         else:
-            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP32 master weights"
+            masters = str(options.get("master_weights", "fp16")).upper()
+            recipe = (
+                "per-tensor scales (current scaling)" if options.get("scaling", "loss") == "tensor"
+                else "no per-tensor scaling: the loss scale keeps gradients in range (Mellempudi et al.)"
+            )  # fmt: skip
+            p.note = f"FP8 emulated: E5M2/E4M3 values computed in higher precision, {masters} master weights, {recipe}"
     else:
         raise MptrainError(f"precision={name!r}: unknown mode")
 

@@ -15,9 +15,8 @@ from mptrain.loss_scaling import (
     EnhancedScaler,
     NoScaler,
     StaticScaler,
-    build_scaler,
-    resolve_policy,
 )
+from mptrain.scalers import build_scaler, resolve_policy
 
 CPU = torch.device("cpu")
 
@@ -215,3 +214,20 @@ def test_build_from_config():
                             "min_scale": None, "on_min_scale": "clamp", "max_scale": None})
     scaler = build_scaler(cfg, "dynamic", CPU)
     assert isinstance(scaler, DynamicScaler) and scaler.hysteresis == 2 and float(scaler.scale_value) == 8.0
+
+
+def test_auto_on_fp8_uses_enhanced_with_its_rising_floor():
+    from mptrain.cli import compose
+
+    auto = build_scaler(OmegaConf.create({"name": "auto"}), resolve_policy("auto", "fp8", "emulated"), CPU)
+    cfg = compose(["precision=fp8", "loss_scale=enhanced"])
+    enhanced = build_scaler(cfg.loss_scale, "enhanced", CPU)
+    assert isinstance(auto, EnhancedScaler) and isinstance(enhanced, EnhancedScaler)
+    assert auto.schedule == enhanced.schedule and len(auto.schedule) > 1  # the yaml's schedule
+    assert float(auto.scale_value) == float(enhanced.scale_value)
+    assert auto.growth_interval == enhanced.growth_interval
+    floors = []
+    for step in (0, 999, 1000, 4999, 5000):
+        auto.steps_done = step
+        floors.append(auto.current_floor())
+    assert floors == [1.0, 1.0, 64.0, 64.0, 512.0]  # it rises: not a constant floor of 1
