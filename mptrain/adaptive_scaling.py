@@ -199,6 +199,8 @@ class _Variant:
 
     gm: fx.GraphModule | None  # None: no Conv/Linear anywhere, the plain forward (P = init_scale)
     param_entry: dict[int, int] = field(default_factory=dict)
+    # id(Conv/Linear module) -> (entry of the gradient at its output, entry of its parameter grads)
+    site_entries: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _has_site(module: nn.Module) -> bool:
@@ -489,7 +491,7 @@ class AdaptiveScaler(LossScaler):
                     pin[n] = entry
         self._check_shared_sites(name, sites)
 
-        variant = _Variant(gm)
+        variant = _Variant(gm, site_entries={id(site.module): (site.out_entry, site.entry) for site in sites.values()})
         where: dict[int, str] = {}
         for n in nodes:
             if n.op == "call_module":
@@ -715,6 +717,19 @@ class AdaptiveScaler(LossScaler):
         return self._found_inf
 
     # ---------------------------------------------------------------- reporting and state
+
+    def layer_grad_scales(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        """Per layer: the scale of the gradient at its output and of its parameter gradients, in
+        this step (read after backward, before ``update``). Copies: the table changes next step."""
+        v = self._active
+        if v is None or v.gm is None:
+            return self._scale.clone(), self._scale.clone()
+        entries = v.site_entries.get(id(module))
+        if entries is None:  # not a scaling site (batch norm, say): its gradients carry its node's P
+            p = next(module.parameters(recurse=False), None)
+            e = v.param_entry.get(id(p), 0) if p is not None else 0
+            entries = (e, e)
+        return self._P[entries[0]].clone(), self._P[entries[1]].clone()
 
     @property
     def layer_names(self) -> list[str]:

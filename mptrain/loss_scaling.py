@@ -90,11 +90,12 @@ class LossScaler(ABC):
         """Build from ``loss_scale.*`` without ``name`` (empty when ``auto`` chose this policy)."""
         return cls(device, **params)  # type: ignore[call-arg]
 
-    def grad_scales(self, optimizer: torch.optim.Optimizer) -> dict[int, Tensor]:
-        """The scale each gradient carries before ``unscale_`` (by ``id`` of the optimizer's
-        parameter). One loss-level scale here; ``adaptive`` gives each layer's own."""
-        s = self.scale_value
-        return {id(p): s for g in optimizer.param_groups for p in g["params"]}
+    def layer_grad_scales(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        """The scales a layer's gradients carry in this step (after backward, before ``unscale_``):
+        (gradient at its output, its parameter gradients). One loss-level scale for both here;
+        ``adaptive`` gives each layer its own. Telemetry divides by these to find true values."""
+        s = self.scale_value.detach().float().clone()
+        return s, s
 
 
 class NoScaler(LossScaler):
