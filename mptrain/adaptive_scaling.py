@@ -1,7 +1,8 @@
 """Adaptive loss scaling (Zhao et al. 2019): per-layer scales computed during backprop.
 
-Reads ``loss_scale.*`` (``AdaptiveLossScaleConfig``): ``init_scale`` (multiplies the loss, so the
-gradient at the model's outputs carries P = init_scale), ``u_min``/``u_max`` (the half format's
+Reads ``loss_scale.*`` (``AdaptiveLossScaleConfig``): ``init_scale`` (the scale P the gradient at
+the model's outputs carries: ``auto``, the default, or a number that multiplies the loss; see
+"Starting the chain"), ``u_min``/``u_max`` (the half format's
 smallest subnormal and largest value), ``n_uf`` (tolerated underflow probability), ``layer_cap``
 (largest scale one layer may add), ``accum_cap`` (largest cumulative scale), ``recompute_every``
 (optimizer steps between recomputations; cached scales are reused in between) and
@@ -20,6 +21,19 @@ scale P. From FP32 statistics of gy and of the weight W::
 input gradient, W.shape[0] for Linear and out_channels * prod(kernel) for Conv (per group for
 grouped convolutions, where the authors' code used all output channels).
 
+Starting the chain
+------------------
+The authors' code puts a plain loss-scaling node at the network's output
+(``loss_scaling(link(x), init_scale)`` in ``AdaLossScaled``) and their experiments leave it at 1
+(``--init-scale 1``). But the gradient at the output (dL/dlogits, already divided by the batch) is
+cast to FP16 before the first layer can scale it, and at 1 a classifier's loses values there: in
+this repository's ablation adaptive scaling with 1 lost about as many gradient values as no scaling.
+So ``init_scale=auto`` keeps the node at the output and lets it choose its value like the other
+bounds of the rule: the model's half-precision outputs are handed to the loss in FP32 (exact), and
+in backward the FP32 dL/d output gets ``output_scale``: the largest power of two that keeps it
+below u_max, at most ``accum_cap``, applied before the cast back to FP16. A number keeps the
+authors' fixed node (the loss is multiplied by it).
+
 Design
 ------
 ``attach`` traces the module with torch.fx and keeps an instrumented GraphModule that shares the
@@ -33,7 +47,7 @@ at all is not traced: its gradients carry init_scale only.
 
 Every gradient that flows along an edge of the graph carries a scale P that is known statically
 up to a value in a per-step table of device scalars (``_P``, one entry per scaling site and per
-join, entry 0 = the outputs = init_scale). Backward ops are linear in their incoming gradient, so
+join, entry 0 = the outputs = the chain's first scale). Backward ops are linear in their incoming gradient, so
 P passes unchanged through every op except:
 
 - a scaling site (a Conv/Linear call): a pre-hook on the grad_fn of the layer's output computes s
@@ -63,10 +77,12 @@ host sync per step, only when N > 1).
 
 Limitations: the model must be torch.fx-traceable (otherwise MptrainError: without the graph,
 branch joins cannot be made consistent); a parameter shared by places whose gradients carry
-different P, an in-place op on a tensor that other consumers read afterwards, multi-process DDP
-(each rank would pick its own scales) and losses that read parameters outside the attached module
-are rejected or unsupported. FP8/FP16 models keep FP32 masters in the optimizer: register them
-with ``alias_params(model_params, master_params)`` so their gradients are unscaled by the right P.
+different P, an in-place op on a tensor that other consumers read afterwards, and losses that read
+parameters outside the attached module are rejected or unsupported. Multi-process DDP is supported
+(tests/test_distributed.py): every freshly computed scale is reduced with MIN over the ranks inside
+backward, so all ranks carry the same per-layer scales. FP8/FP16 models keep FP32 masters in the
+optimizer: register them with ``alias_params(model_params, master_params)`` so their gradients are
+unscaled by the right P.
 """
 
 from __future__ import annotations
@@ -145,6 +161,24 @@ def layer_scale(
     s = torch.minimum(s, accum_cap / torch.as_tensor(prev_scale, dtype=s.dtype, device=s.device))
     s = s.clamp(max=layer_cap)
     s = torch.where(torch.isfinite(s) & (s > 0), s, one)
+    if power_of_two:
+        s = torch.exp2(torch.floor(torch.log2(s)))
+    return s
+
+
+def output_scale(
+    amax: Tensor, *, u_max: float = 65504.0, accum_cap: float = 1024.0, power_of_two: bool = True
+) -> Tensor:
+    """The scale that starts the chain at the model's outputs (``init_scale=auto``).
+
+    ``amax``: the largest |dL/d output| in FP32, before any half-precision cast. As large as the
+    format allows without overflow (amax * s <= u_max, the authors' overflow bound for a tensor
+    that is not multiplied by a weight) and no larger than ``accum_cap``, the bound every
+    cumulative scale obeys. Below 1 only when the output gradient itself would overflow.
+    """
+    amax = amax.float()
+    s = torch.minimum(u_max / amax, torch.full_like(amax, accum_cap))  # amax == 0 gives inf: the cap
+    s = torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
     if power_of_two:
         s = torch.exp2(torch.floor(torch.log2(s)))
     return s
@@ -255,6 +289,25 @@ class _ForkFn(torch.autograd.Function):
         return (None, None, *ctx.scaler._fork_backward(ctx.fork, ctx.m, ctx.dtypes, grads))
 
 
+class _OutputScaleFn(torch.autograd.Function):
+    """At the model's outputs (``init_scale=auto``): forward hands the outputs on in FP32 (exact),
+    so the loss's gradient arrives here in FP32; backward picks the chain's starting scale from it
+    and multiplies before the cast back to the outputs' half dtype, which is where dL/d output
+    would otherwise underflow. The authors' loss-scaling node at the network's output, with its
+    value read off the gradient instead of configured."""
+
+    @staticmethod
+    def forward(ctx: Any, scaler: AdaptiveScaler, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.scaler = scaler
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.set_materialize_grads(False)
+        return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.scaler._output_backward(ctx.dtypes, grads))
+
+
 class _ForkModule(nn.Module):
     def __init__(self, scaler: AdaptiveScaler, fork: _Fork) -> None:
         super().__init__()
@@ -331,7 +384,7 @@ class AdaptiveScaler(LossScaler):
     def __init__(
         self,
         device: torch.device,
-        init_scale: float = 1.0,
+        init_scale: float | str = "auto",
         u_min: float = 2.0**-24,
         u_max: float = 65504.0,
         n_uf: float = 1e-3,
@@ -345,7 +398,12 @@ class AdaptiveScaler(LossScaler):
         if not 0.0 < n_uf < 1.0:
             raise MptrainError(f"loss_scale.n_uf={n_uf}: must be in (0, 1)")
         self.device = torch.device(device)
-        self.init_scale = float(init_scale)
+        if isinstance(init_scale, str) and init_scale != "auto":
+            raise MptrainError(f"loss_scale.init_scale={init_scale!r}: must be a positive number or auto")
+        self.auto_init = init_scale == "auto"
+        # auto: the loss is not multiplied; the output node starts the chain (entry 0).
+        self.init_scale_value = 1.0 if self.auto_init else float(init_scale)
+        self.init_scale: float | str = "auto" if self.auto_init else float(init_scale)
         self.rule = {
             "u_min": float(u_min),
             "u_max": float(u_max),
@@ -355,14 +413,14 @@ class AdaptiveScaler(LossScaler):
             "power_of_two": bool(power_of_two),
         }
         self.recompute_every = int(recompute_every)
-        self._scale = torch.full((), self.init_scale, device=self.device)
+        self._scale = torch.full((), self.init_scale_value, device=self.device)
         self._found_inf = torch.zeros((), device=self.device)
         # The table: entry name -> index; _s = the cached factor (per site s, per fork the target P),
         # _P = the cumulative scale of the gradient below that site/fork in the current step.
         self._entries: dict[str, int] = {_OUTPUT: 0}
         self._site_idx = torch.zeros(0, dtype=torch.long, device=self.device)  # for telemetry
         self._s = torch.ones(1, device=self.device)
-        self._P = torch.full((1,), self.init_scale, device=self.device)
+        self._P = torch.full((1,), self.init_scale_value, device=self.device)
         self._known: set[int] = set()  # entries computed at least once (else s would be stale 1)
         self._fresh: set[int] = set()  # entries written in this step (first backward wins)
         self._step = 0
@@ -429,15 +487,22 @@ class AdaptiveScaler(LossScaler):
                 "step; its gradients would carry scales from two different graphs"
             )
         self._active = variant
-        if variant.gm is None:
-            return type(module).forward(module, *args, **kwargs)
-        return variant.gm(*args, **kwargs)
+        out = type(module).forward(module, *args, **kwargs) if variant.gm is None else variant.gm(*args, **kwargs)
+        if not self.auto_init:
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()]
+        if idx:
+            scaled = _OutputScaleFn.apply(self, *(leaves[i] for i in idx))
+            for j, i in enumerate(idx):
+                leaves[i] = scaled[j]
+        return pytree.tree_unflatten(leaves, spec)
 
     def _entry(self, name: str) -> int:
         if name not in self._entries:
             self._entries[name] = len(self._entries)
             self._s = torch.cat([self._s, torch.ones(1, device=self.device)])
-            self._P = torch.cat([self._P, torch.full((1,), self.init_scale, device=self.device)])
+            self._P = torch.cat([self._P, torch.full((1,), self.init_scale_value, device=self.device)])
             if name.startswith("site:"):  # built here, at trace time, not in telemetry(): no H2D copy
                 idx = [i for n, i in self._entries.items() if n.startswith("site:")]
                 self._site_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
@@ -584,6 +649,22 @@ class AdaptiveScaler(LossScaler):
         s = self._s[e].to(gy.device)
         return (gy * s, *grads[1:])
 
+    def _output_backward(self, dtypes: list[torch.dtype], grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+        present = [g for g in grads if g is not None]
+        if present and 0 not in self._fresh:
+            if self._recompute or 0 not in self._known:
+                amax = torch.stack([_amax(g).to(self.device) for g in present]).max()
+                r = self.rule
+                s = output_scale(amax, u_max=r["u_max"], accum_cap=r["accum_cap"], power_of_two=r["power_of_two"])
+                self._s[0].copy_(self._agree(s))
+                self._known.add(0)
+            self._P[0].copy_(self._s[0] * self.init_scale_value)
+            self._fresh.add(0)
+        s0 = self._s[0]
+        # In FP32, then back to the outputs' dtype: the multiply happens before the lossy cast.
+        pairs = zip(grads, dtypes, strict=True)
+        return [None if g is None else (g.float() * s0.to(g.device)).to(dt) for g, dt in pairs]
+
     def _agree(self, s: Tensor) -> Tensor:
         """The same scale on every rank (MIN), without a host sync on NCCL."""
         if self._sync_ranks:
@@ -619,6 +700,7 @@ class AdaptiveScaler(LossScaler):
     # ---------------------------------------------------------------- the five calls
 
     def scale(self, loss: Tensor) -> Tensor:
+        # init_scale=auto: _scale is 1; the output node applies the chain's first scale.
         return loss * self._scale.to(loss.device)
 
     def _entry_of(self, p: Tensor) -> int:
@@ -762,7 +844,8 @@ class AdaptiveScaler(LossScaler):
         cum = self._P.index_select(0, idx).tolist() if names else []
         return {
             "policy": self.policy,
-            "scale": self.init_scale,
+            "scale": float(self._P[0]),  # the chain's first scale (at the outputs) in the last step
+            "init_scale": self.init_scale,
             "steps": self._step,
             "layer_scales": dict(zip(names, s, strict=True)),
             "cum_scales": dict(zip(names, cum, strict=True)),
@@ -805,7 +888,8 @@ class AdaptiveScaler(LossScaler):
                 s[i], p[i] = state["s"][saved[name]], state["P"][saved[name]]
         self._s = torch.tensor(s, dtype=torch.float32, device=self.device)
         self._P = torch.tensor(p, dtype=torch.float32, device=self.device)
-        self._P[0] = self.init_scale
+        if not self.auto_init:
+            self._P[0] = self.init_scale_value
         self._known = {i for n, i in self._entries.items() if n in known}
         self._fresh.clear()
 

@@ -169,7 +169,9 @@ class EnhancedLossScaleConfig(DynamicLossScaleConfig):
 class AdaptiveLossScaleConfig(LossScaleConfig):
     """Zhao et al. 2019: per-layer scales from gradient and weight statistics."""
 
-    init_scale: float = 1.0  # scale applied to the loss itself before the per-layer scales
+    # The chain's first scale, at the model's outputs: auto (the largest that fits FP16 for the FP32
+    # dL/d output, up to accum_cap) or a number (a fixed loss scale, the authors' setting was 1).
+    init_scale: Any = "auto"
     u_min: float = 2.0**-24  # smallest positive value of the half format
     u_max: float = 65504.0  # largest value of the half format
     n_uf: float = 1e-3  # tolerated underflow probability per layer
@@ -467,7 +469,11 @@ def validate(cfg: DictConfig) -> None:
             _positive(floor, f"loss_scale.min_scale_schedule[{step}]")
     check_telemetry(cfg.telemetry)
     if ls.name == "adaptive":
-        _positive(ls.init_scale, "loss_scale.init_scale")
+        if ls.init_scale != "auto":
+            check(
+                isinstance(ls.init_scale, (int, float)) and not isinstance(ls.init_scale, bool) and ls.init_scale > 0,
+                f"loss_scale.init_scale={ls.init_scale!r}: must be a positive number or auto",
+            )
         _positive(ls.u_min, "loss_scale.u_min")
         _positive(ls.u_max, "loss_scale.u_max")
         check(0 < ls.n_uf < 1, f"loss_scale.n_uf={ls.n_uf}: must be between 0 and 1")

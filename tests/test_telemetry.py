@@ -617,7 +617,7 @@ def test_adaptive_gradients_are_unscaled_by_each_layers_own_scale() -> None:
         ref[i].register_forward_hook(watch(i))
     (ref(x).square().mean() * mult).backward()
 
-    scaler = AdaptiveScaler(CPU)
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     scaler.attach(model)
     tel = GradientTelemetry(tcfg(), model, prec, scaler)
     tel.active(1)
