@@ -225,3 +225,57 @@ def test_signal_checkpoints_and_the_resumed_run_continues_the_curve(tmp_path, si
     reference = dict(scalars(full)["train/loss"])
     for step in range(1, total + 1):
         assert continued[step] == reference[step], step
+
+
+class _TrainJob:
+    """What hydra-submitit-launcher submits, reduced to its contract: a callable with a
+    ``checkpoint`` method (submitit.helpers.Checkpointable) that resubmits itself on preemption."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+
+    def __call__(self) -> dict:
+        from mptrain.cli import main
+
+        run = Path(self.args[-1].split("=", 1)[1])
+        with open(run.parent / "task.pids", "a") as f:  # the test signals this process, as submitit does
+            f.write(f"{os.getpid()}\n")
+        main(self.args)
+        return json.loads((run / "summary.json").read_text())
+
+    def checkpoint(self) -> object:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(_TrainJob(self.args))
+
+
+def test_submitit_preemption_requeues_and_the_job_resumes(tmp_path, monkeypatch):
+    """The task gets submitit's preemption signal (SIGUSR2, what the local controller forwards to its
+    tasks): mptrain checkpoints at the step boundary and hands the signal to submitit's handler,
+    which calls ``checkpoint`` and requeues (exit code 144, the controller restarts the task); the
+    requeued job resumes from the checkpoint (trainer.resume=auto) and completes."""
+    submitit = pytest.importorskip("submitit")
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = tmp_path / "run"
+    args = ["model=resnet50", *TINY, "model.width_divisor=8", "data.image_size=32", "trainer.log_every=1",
+            "trainer.max_steps=100", f"hydra.run.dir={run}"]
+    executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
+    executor.update_parameters(timeout_min=10)
+    job = executor.submit(_TrainJob(args))
+    end = time.time() + 120
+    while not ((run / "train.log").exists() and "step 3 " in (run / "train.log").read_text()):
+        assert time.time() < end and not job.done(), job.stderr()
+        time.sleep(0.2)
+    first_pid = int((tmp_path / "task.pids").read_text().split()[0])
+    os.kill(first_pid, signal.SIGUSR2)
+    summary = job.result()
+    pids = (tmp_path / "task.pids").read_text().split()
+    assert len(pids) == 2 and pids[0] != pids[1]  # requeued: a second task process ran the job
+    assert summary["status"] == "completed" and summary["steps"] == 100
+    assert summary["resumed_from"] and Path(summary["resumed_from"]).name.startswith("step_")
+    logs = (job.stderr() or "") + (job.stdout() or "")
+    assert "mptrain: interrupted" in logs and "Calling checkpoint method" in logs and "Requeued job" in logs
+    stopped = int(Path(summary["resumed_from"]).stem.split("_")[1])
+    assert 3 <= stopped < 100
