@@ -26,7 +26,6 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
-from mptrain.fp8 import Fp8State, convert_model, stochastic_round
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +81,8 @@ class MasterWeights:
             if self.stochastic_rounding and p.dtype == torch.bfloat16:
                 p.copy_(stochastic_round_to_bf16(m))
             elif self.stochastic_rounding and p.dtype == torch.float16:
+                from mptrain.fp8 import stochastic_round
+
                 p.copy_(stochastic_round(m, torch.float16))
             else:
                 p.copy_(m)
@@ -107,7 +108,7 @@ class Precision:
     fp8: str | None = None  # "torchao" (real FP8 kernels) | "emulated" | None
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
-    fp8_state: Fp8State | None = None  # every converted network of the task, for after_step
+    fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
 
     @property
     def half_dtype(self) -> torch.dtype | None:
@@ -136,6 +137,9 @@ class Precision:
                     if isinstance(module, _NORM_TYPES):
                         module.float()
         if self.fp8 is not None:
+            # Imported here: FP8 is optional numerics (fp8 itself never imports this module).
+            from mptrain.fp8 import convert_model
+
             # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
             model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
         return model
