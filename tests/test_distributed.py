@@ -88,7 +88,8 @@ def test_adaptive_scales_agree_across_ranks(tmp_path):
     """Per-layer scales come from each rank's own gradients; they are reduced to one value per
     layer, or the all-reduced gradients would mix scales and the curve would leave the reference."""
     ddp, single = tmp_path / "ddp", tmp_path / "single"
-    common = [*DIGITS, "loss_scale=adaptive", "trainer.max_steps=4"]
+    # init_scale=1: the per-layer scales do the lifting (with auto the output scale takes accum_cap).
+    common = [*DIGITS, "loss_scale=adaptive", "loss_scale.init_scale=1", "trainer.max_steps=4"]
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
          *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
