@@ -113,7 +113,7 @@ def test_checkpoint_is_safe_to_load_and_complete(tmp_path):
 
 
 def test_grad_accum_multiplies_the_global_batch(tmp_path):
-    s = run_job(tmp_path, *tiny("resnet50", "trainer.grad_accum=2", "trainer.max_steps=1"))
+    s = run_job(tmp_path, *tiny("resnet50", "trainer.grad_accum=2", "trainer.max_steps=2"))
     assert s["global_batch_size"] == 8 and s["steps"] == 2
 
 
