@@ -1,24 +1,27 @@
 """Adaptive loss scaling (Zhao et al. 2019): per-layer scales computed during backprop.
 
-Reads ``loss_scale.*`` (``AdaptiveLossScaleConfig``): ``init_scale`` (multiplies the loss, so the
-gradient at the model's outputs carries P = init_scale), ``u_min``/``u_max`` (the half format's
+Reads ``loss_scale.*`` (``AdaptiveLossScaleConfig``): ``init_scale`` (the scale P the gradient at
+the model's outputs carries: ``auto``, the default, or a number that multiplies the loss; see
+"Starting the chain"), ``u_min``/``u_max`` (the half format's
 smallest subnormal and largest value), ``n_uf`` (tolerated underflow probability), ``layer_cap``
 (largest scale one layer may add), ``accum_cap`` (largest cumulative scale), ``recompute_every``
 (optimizer steps between recomputations; cached scales are reused in between) and
 ``power_of_two``.
 
-The rule (``layer_scale``, the ``approx_range`` method of the authors' released code). In the
-backward pass of every Conv/Linear layer the incoming gradient gy already carries a cumulative
-scale P. From FP32 statistics of gy and of the weight W::
+The rule (``layer_scale``, ``join_scale``, ``output_scale``) is in ``mptrain.adaptive_rule``.
 
-    sigma = sqrt((sg^2 + mg^2) * (sw^2 + mw^2)) * sqrt(0.5 * fan_in)
-    s = u_min / (sqrt(2) * erfinv(n_uf) * sigma);  s = max(s, 1)
-    s = min(s, (u_max / fan_in) / o_max)          # o_max = max |g_ext * W_ext| over min/max of gy, W
-    s = min(s, accum_cap / P, layer_cap);  s = 2 ** floor(log2(s))
-
-``fan_in`` is the authors' ``get_fan_in``: the length of the sum that forms one element of the
-input gradient, W.shape[0] for Linear and out_channels * prod(kernel) for Conv (per group for
-grouped convolutions, where the authors' code used all output channels).
+Starting the chain
+------------------
+The authors' code puts a plain loss-scaling node at the network's output
+(``loss_scaling(link(x), init_scale)`` in ``AdaLossScaled``) and their experiments leave it at 1
+(``--init-scale 1``). But the gradient at the output (dL/dlogits, already divided by the batch) is
+cast to FP16 before the first layer can scale it, and at 1 a classifier's loses values there: in
+this repository's ablation adaptive scaling with 1 lost about as many gradient values as no scaling.
+So ``init_scale=auto`` keeps the node at the output and lets it choose its value like the other
+bounds of the rule: the model's half-precision outputs are handed to the loss in FP32 (exact), and
+in backward the FP32 dL/d output gets ``output_scale``: the largest power of two that keeps it
+below u_max, at most ``accum_cap``, applied before the cast back to FP16. A number keeps the
+authors' fixed node (the loss is multiplied by it).
 
 Design
 ------
@@ -33,7 +36,7 @@ at all is not traced: its gradients carry init_scale only.
 
 Every gradient that flows along an edge of the graph carries a scale P that is known statically
 up to a value in a per-step table of device scalars (``_P``, one entry per scaling site and per
-join, entry 0 = the outputs = init_scale). Backward ops are linear in their incoming gradient, so
+join, entry 0 = the outputs = the chain's first scale). Backward ops are linear in their incoming gradient, so
 P passes unchanged through every op except:
 
 - a scaling site (a Conv/Linear call): a pre-hook on the grad_fn of the layer's output computes s
@@ -57,21 +60,22 @@ device value on the host; the backward hooks only queue device ops.
 Scales are computed on the first backward of a step that reaches a site/join and reused by later
 backwards of the same step (gradient accumulation, several forwards): a parameter's gradient must
 carry one P however many backwards add to it. With ``recompute_every`` N > 1 they are recomputed
-every N optimizer steps, and on the step after a skipped one when that is known on the host (a
-non-fused optimizer's step reads found_inf anyway).
+every N optimizer steps, and on the step after a skipped one (a non-fused optimizer's step reads
+found_inf on the host anyway; after a fused optimizer's device-side skip, ``update`` reads it: one
+host sync per step, only when N > 1).
 
 Limitations: the model must be torch.fx-traceable (otherwise MptrainError: without the graph,
 branch joins cannot be made consistent); a parameter shared by places whose gradients carry
-different P, an in-place op on a tensor that other consumers read afterwards, multi-process DDP
-(each rank would pick its own scales) and losses that read parameters outside the attached module
-are rejected or unsupported. FP8/FP16 models keep FP32 masters in the optimizer: register them
-with ``alias_params(model_params, master_params)`` so their gradients are unscaled by the right P.
+different P, an in-place op on a tensor that other consumers read afterwards, and losses that read
+parameters outside the attached module are rejected or unsupported. Multi-process DDP is supported
+(tests/test_distributed.py): every freshly computed scale is reduced with MIN over the ranks inside
+backward, so all ranks carry the same per-layer scales. FP8/FP16 models keep FP32 masters in the
+optimizer: register them with ``alias_params(model_params, master_params)`` so their gradients are
+unscaled by the right P.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import operator
 import types
 import weakref
@@ -83,92 +87,12 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
+from mptrain.adaptive_rule import _amax, backward_fan_in, join_scale, layer_scale, output_scale
 from mptrain.errors import MptrainError
 from mptrain.loss_scaling import LossScaler, _check_policy
 
 _SITE_TYPES = (nn.modules.conv._ConvNd, nn.Linear)
 _OUTPUT = "<output>"
-
-
-# --------------------------------------------------------------------------------------------
-# the rule
-
-
-def backward_fan_in(module: nn.Module) -> int:
-    """Terms summed into one element of the input gradient (the authors' ``get_fan_in``)."""
-    w = module.weight
-    if isinstance(module, nn.Linear):
-        return int(w.shape[0])
-    if isinstance(module, nn.modules.conv._ConvNd):
-        kernel = math.prod(int(k) for k in w.shape[2:])
-        # Conv weight is (out, in/groups, *k); transposed conv weight is (in, out/groups, *k).
-        per_group_out = int(w.shape[1]) if module.transposed else int(w.shape[0]) // module.groups
-        return per_group_out * kernel
-    raise TypeError(f"no fan_in rule for {type(module).__name__}")
-
-
-@functools.lru_cache(maxsize=8)
-def _erfinv_term(n_uf: float) -> float:
-    """sqrt(2) * erfinv(n_uf), computed once on the host (a CPU tensor: no device sync)."""
-    return math.sqrt(2.0) * float(torch.special.erfinv(torch.tensor(n_uf, dtype=torch.float64)))
-
-
-def layer_scale(
-    gy: Tensor,
-    weight: Tensor,
-    prev_scale: Tensor | float,
-    fan_in: int,
-    *,
-    u_min: float = 2.0**-24,
-    u_max: float = 65504.0,
-    n_uf: float = 1e-3,
-    layer_cap: float = 16.0,
-    accum_cap: float = 1024.0,
-    power_of_two: bool = True,
-) -> Tensor:
-    """The per-layer scale s for gradient ``gy`` (carrying ``prev_scale``) entering a layer with
-    weight ``weight``. Device ops only; statistics in FP32. A non-finite result (gy already held
-    Inf/NaN: the step will be skipped) becomes 1 so that it is never cached."""
-    g = gy.detach().float()
-    w = weight.detach().float()
-    sg, mg = torch.std_mean(g, correction=0)
-    sw, mw = torch.std_mean(w, correction=0)
-    sigma = torch.sqrt((sg * sg + mg * mg) * (sw * sw + mw * mw)) * math.sqrt(0.5 * fan_in)
-    one = torch.ones_like(sigma)
-    # sigma == 0 (all-zero gy or W): the authors return 1 before the overflow bound.
-    s = torch.where(sigma > 0, u_min / (_erfinv_term(n_uf) * sigma), one).clamp(min=1.0)
-    gmin, gmax = torch.aminmax(g)
-    wmin, wmax = torch.aminmax(w)
-    o_max = torch.stack([gmax * wmax, gmin * wmin, gmax * wmin, gmin * wmax]).abs().max()
-    s = torch.minimum(s, (u_max / fan_in) / o_max)  # o_max == 0 gives inf: no bound
-    s = torch.minimum(s, accum_cap / torch.as_tensor(prev_scale, dtype=s.dtype, device=s.device))
-    s = s.clamp(max=layer_cap)
-    s = torch.where(torch.isfinite(s) & (s > 0), s, one)
-    if power_of_two:
-        s = torch.exp2(torch.floor(torch.log2(s)))
-    return s
-
-
-def join_scale(true_amax: Tensor, scales: Tensor, u_max: float = 65504.0) -> Tensor:
-    """The common scale for gradients joining at a fork (the authors' ``rescaling``).
-
-    ``true_amax[i]`` = max|g_i| / P_i, ``scales[i]`` = P_i. The largest P_i with
-    max(true_amax) * P_i < u_max; if none fits, the smallest P_i halved until it does.
-    """
-    m = true_amax.max()
-    ok = m * scales < u_max
-    best = torch.where(ok, scales, torch.zeros_like(scales)).max()
-    smallest = scales.min()
-    halvings = (torch.floor(torch.log2(m * smallest / u_max)) + 1).clamp(min=0)
-    target = torch.where(ok.any(), best, smallest * torch.exp2(-halvings))
-    return torch.where(torch.isfinite(target) & (target > 0), target, scales.max())
-
-
-def _amax(g: Tensor) -> Tensor:
-    if g.numel() == 0:
-        return torch.zeros((), device=g.device)
-    lo, hi = torch.aminmax(g.detach())
-    return torch.maximum(-lo.float(), hi.float())
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,6 +122,8 @@ class _Variant:
 
     gm: fx.GraphModule | None  # None: no Conv/Linear anywhere, the plain forward (P = init_scale)
     param_entry: dict[int, int] = field(default_factory=dict)
+    # id(Conv/Linear module) -> (entry of the gradient at its output, entry of its parameter grads)
+    site_entries: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _has_site(module: nn.Module) -> bool:
@@ -250,6 +176,25 @@ class _ForkFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         return (None, None, *ctx.scaler._fork_backward(ctx.fork, ctx.m, ctx.dtypes, grads))
+
+
+class _OutputScaleFn(torch.autograd.Function):
+    """At the model's outputs (``init_scale=auto``): forward hands the outputs on in FP32 (exact),
+    so the loss's gradient arrives here in FP32; backward picks the chain's starting scale from it
+    and multiplies before the cast back to the outputs' half dtype, which is where dL/d output
+    would otherwise underflow. The authors' loss-scaling node at the network's output, with its
+    value read off the gradient instead of configured."""
+
+    @staticmethod
+    def forward(ctx: Any, scaler: AdaptiveScaler, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.scaler = scaler
+        ctx.dtypes = [t.dtype for t in tensors]
+        ctx.set_materialize_grads(False)
+        return tuple(t.float() if t.dtype in (torch.float16, torch.bfloat16) else t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        return (None, *ctx.scaler._output_backward(ctx.dtypes, grads))
 
 
 class _ForkModule(nn.Module):
@@ -328,7 +273,7 @@ class AdaptiveScaler(LossScaler):
     def __init__(
         self,
         device: torch.device,
-        init_scale: float = 1.0,
+        init_scale: float | str = "auto",
         u_min: float = 2.0**-24,
         u_max: float = 65504.0,
         n_uf: float = 1e-3,
@@ -342,7 +287,12 @@ class AdaptiveScaler(LossScaler):
         if not 0.0 < n_uf < 1.0:
             raise MptrainError(f"loss_scale.n_uf={n_uf}: must be in (0, 1)")
         self.device = torch.device(device)
-        self.init_scale = float(init_scale)
+        if isinstance(init_scale, str) and init_scale != "auto":
+            raise MptrainError(f"loss_scale.init_scale={init_scale!r}: must be a positive number or auto")
+        self.auto_init = init_scale == "auto"
+        # auto: the loss is not multiplied; the output node starts the chain (entry 0).
+        self.init_scale_value = 1.0 if self.auto_init else float(init_scale)
+        self.init_scale: float | str = "auto" if self.auto_init else float(init_scale)
         self.rule = {
             "u_min": float(u_min),
             "u_max": float(u_max),
@@ -352,14 +302,14 @@ class AdaptiveScaler(LossScaler):
             "power_of_two": bool(power_of_two),
         }
         self.recompute_every = int(recompute_every)
-        self._scale = torch.full((), self.init_scale, device=self.device)
+        self._scale = torch.full((), self.init_scale_value, device=self.device)
         self._found_inf = torch.zeros((), device=self.device)
         # The table: entry name -> index; _s = the cached factor (per site s, per fork the target P),
         # _P = the cumulative scale of the gradient below that site/fork in the current step.
         self._entries: dict[str, int] = {_OUTPUT: 0}
         self._site_idx = torch.zeros(0, dtype=torch.long, device=self.device)  # for telemetry
         self._s = torch.ones(1, device=self.device)
-        self._P = torch.full((1,), self.init_scale, device=self.device)
+        self._P = torch.full((1,), self.init_scale_value, device=self.device)
         self._known: set[int] = set()  # entries computed at least once (else s would be stale 1)
         self._fresh: set[int] = set()  # entries written in this step (first backward wins)
         self._step = 0
@@ -371,6 +321,7 @@ class AdaptiveScaler(LossScaler):
         self._aliases: dict[int, Tensor] = {}
         self._unscaled: dict[int, Tensor] = {}  # id(optimizer) -> its found_inf this step
         self._stepped: set[int] = set()
+        self._device_found_inf: list[Tensor] = []  # fused steps' skip flags, read in update()
         self._param_names: dict[int, str] = {}
         self._pending_state: dict[str, Any] | None = None
         self._sync_ranks = False
@@ -425,15 +376,22 @@ class AdaptiveScaler(LossScaler):
                 "step; its gradients would carry scales from two different graphs"
             )
         self._active = variant
-        if variant.gm is None:
-            return type(module).forward(module, *args, **kwargs)
-        return variant.gm(*args, **kwargs)
+        out = type(module).forward(module, *args, **kwargs) if variant.gm is None else variant.gm(*args, **kwargs)
+        if not self.auto_init:
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        idx = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point()]
+        if idx:
+            scaled = _OutputScaleFn.apply(self, *(leaves[i] for i in idx))
+            for j, i in enumerate(idx):
+                leaves[i] = scaled[j]
+        return pytree.tree_unflatten(leaves, spec)
 
     def _entry(self, name: str) -> int:
         if name not in self._entries:
             self._entries[name] = len(self._entries)
             self._s = torch.cat([self._s, torch.ones(1, device=self.device)])
-            self._P = torch.cat([self._P, torch.full((1,), self.init_scale, device=self.device)])
+            self._P = torch.cat([self._P, torch.full((1,), self.init_scale_value, device=self.device)])
             if name.startswith("site:"):  # built here, at trace time, not in telemetry(): no H2D copy
                 idx = [i for n, i in self._entries.items() if n.startswith("site:")]
                 self._site_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
@@ -487,7 +445,7 @@ class AdaptiveScaler(LossScaler):
                     pin[n] = entry
         self._check_shared_sites(name, sites)
 
-        variant = _Variant(gm)
+        variant = _Variant(gm, site_entries={id(site.module): (site.out_entry, site.entry) for site in sites.values()})
         where: dict[int, str] = {}
         for n in nodes:
             if n.op == "call_module":
@@ -580,6 +538,22 @@ class AdaptiveScaler(LossScaler):
         s = self._s[e].to(gy.device)
         return (gy * s, *grads[1:])
 
+    def _output_backward(self, dtypes: list[torch.dtype], grads: tuple[Tensor | None, ...]) -> list[Tensor | None]:
+        present = [g for g in grads if g is not None]
+        if present and 0 not in self._fresh:
+            if self._recompute or 0 not in self._known:
+                amax = torch.stack([_amax(g).to(self.device) for g in present]).max()
+                r = self.rule
+                s = output_scale(amax, u_max=r["u_max"], accum_cap=r["accum_cap"], power_of_two=r["power_of_two"])
+                self._s[0].copy_(self._agree(s))
+                self._known.add(0)
+            self._P[0].copy_(self._s[0] * self.init_scale_value)
+            self._fresh.add(0)
+        s0 = self._s[0]
+        # In FP32, then back to the outputs' dtype: the multiply happens before the lossy cast.
+        pairs = zip(grads, dtypes, strict=True)
+        return [None if g is None else (g.float() * s0.to(g.device)).to(dt) for g, dt in pairs]
+
     def _agree(self, s: Tensor) -> Tensor:
         """The same scale on every rank (MIN), without a host sync on NCCL."""
         if self._sync_ranks:
@@ -615,6 +589,7 @@ class AdaptiveScaler(LossScaler):
     # ---------------------------------------------------------------- the five calls
 
     def scale(self, loss: Tensor) -> Tensor:
+        # init_scale=auto: _scale is 1; the output node applies the chain's first scale.
         return loss * self._scale.to(loss.device)
 
     def _entry_of(self, p: Tensor) -> int:
@@ -678,6 +653,8 @@ class AdaptiveScaler(LossScaler):
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
+            # No host read here; update() decides whether the cached scales must be recomputed.
+            self._device_found_inf.append(found_inf)
             return
         # The one host sync GradScaler also makes for non-fused optimizers.
         if bool(found_inf.item()):
@@ -687,7 +664,15 @@ class AdaptiveScaler(LossScaler):
 
     def update(self) -> None:
         self._step += 1
-        self._recompute = self._force_recompute or self._step % self.recompute_every == 0
+        scheduled = self._step % self.recompute_every == 0
+        if self._device_found_inf and not scheduled and not self._force_recompute:
+            # A fused optimizer skipped (or not) on the device. Stale scales that overflowed would
+            # overflow again on every step until the next scheduled recompute, so read the flag:
+            # one host sync per step, and only with recompute_every > 1 (otherwise every step
+            # recomputes anyway).
+            self._force_recompute = bool(torch.stack([f.reshape(()) for f in self._device_found_inf]).max().item())
+        self._device_found_inf.clear()
+        self._recompute = self._force_recompute or scheduled
         self._force_recompute = False
         self._fresh.clear()
         self._unscaled.clear()
@@ -703,6 +688,19 @@ class AdaptiveScaler(LossScaler):
         return self._found_inf
 
     # ---------------------------------------------------------------- reporting and state
+
+    def layer_grad_scales(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        """Per layer: the scale of the gradient at its output and of its parameter gradients, in
+        this step (read after backward, before ``update``). Copies: the table changes next step."""
+        v = self._active
+        if v is None or v.gm is None:
+            return self._scale.clone(), self._scale.clone()
+        entries = v.site_entries.get(id(module))
+        if entries is None:  # not a scaling site (batch norm, say): its gradients carry its node's P
+            p = next(module.parameters(recurse=False), None)
+            e = v.param_entry.get(id(p), 0) if p is not None else 0
+            entries = (e, e)
+        return self._P[entries[0]].clone(), self._P[entries[1]].clone()
 
     @property
     def layer_names(self) -> list[str]:
@@ -735,7 +733,8 @@ class AdaptiveScaler(LossScaler):
         cum = self._P.index_select(0, idx).tolist() if names else []
         return {
             "policy": self.policy,
-            "scale": self.init_scale,
+            "scale": float(self._P[0]),  # the chain's first scale (at the outputs) in the last step
+            "init_scale": self.init_scale,
             "steps": self._step,
             "layer_scales": dict(zip(names, s, strict=True)),
             "cum_scales": dict(zip(names, cum, strict=True)),
@@ -778,7 +777,8 @@ class AdaptiveScaler(LossScaler):
                 s[i], p[i] = state["s"][saved[name]], state["P"][saved[name]]
         self._s = torch.tensor(s, dtype=torch.float32, device=self.device)
         self._P = torch.tensor(p, dtype=torch.float32, device=self.device)
-        self._P[0] = self.init_scale
+        if not self.auto_init:
+            self._P[0] = self.init_scale_value
         self._known = {i for n, i in self._entries.items() if n in known}
         self._fresh.clear()
 

@@ -124,6 +124,7 @@ class FP8PrecisionConfig(PrecisionConfig):
     backend: str = "emulated"  # emulated | torchao
     recipe: str = "tensorwise"  # torchao: tensorwise | rowwise | rowwise_with_gw_hp
     format: str = "e5m2"  # emulated: e5m2 (the paper's 1-5-2 everywhere) | hybrid (E4M3 fwd, E5M2 bwd)
+    scaling: str = "loss"  # emulated: loss (Mellempudi et al.: no per-tensor scales) | tensor (current scaling)
     master_weights: str = "fp16"  # emulated: fp16 (Mellempudi et al.) | fp32
     stochastic_rounding: bool = True  # emulated: stochastic rounding of gradients and master weights
     emulated_compute: str = "fp32"  # emulated: dtype the quantized values are multiplied in
@@ -171,7 +172,9 @@ class EnhancedLossScaleConfig(DynamicLossScaleConfig):
 class AdaptiveLossScaleConfig(LossScaleConfig):
     """Zhao et al. 2019: per-layer scales from gradient and weight statistics."""
 
-    init_scale: float = 1.0  # scale applied to the loss itself before the per-layer scales
+    # The chain's first scale, at the model's outputs: auto (the largest that fits FP16 for the FP32
+    # dL/d output, up to accum_cap) or a number (a fixed loss scale, the authors' setting was 1).
+    init_scale: Any = "auto"
     u_min: float = 2.0**-24  # smallest positive value of the half format
     u_max: float = 65504.0  # largest value of the half format
     n_uf: float = 1e-3  # tolerated underflow probability per layer
@@ -438,6 +441,7 @@ def validate(cfg: DictConfig) -> None:
         _one_of(p.backend, ("emulated", "torchao"), "precision.backend")
         _one_of(p.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "precision.recipe")
         _one_of(p.format, ("e5m2", "hybrid"), "precision.format")
+        _one_of(p.scaling, ("loss", "tensor"), "precision.scaling")
         _one_of(p.master_weights, ("fp16", "fp32"), "precision.master_weights")
         _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
 
@@ -471,7 +475,11 @@ def validate(cfg: DictConfig) -> None:
             _positive(floor, f"loss_scale.min_scale_schedule[{step}]")
     check_telemetry(cfg.telemetry)
     if ls.name == "adaptive":
-        _positive(ls.init_scale, "loss_scale.init_scale")
+        if ls.init_scale != "auto":
+            check(
+                isinstance(ls.init_scale, (int, float)) and not isinstance(ls.init_scale, bool) and ls.init_scale > 0,
+                f"loss_scale.init_scale={ls.init_scale!r}: must be a positive number or auto",
+            )
         _positive(ls.u_min, "loss_scale.u_min")
         _positive(ls.u_max, "loss_scale.u_max")
         check(0 < ls.n_uf < 1, f"loss_scale.n_uf={ls.n_uf}: must be between 0 and 1")

@@ -44,9 +44,10 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.loss_scaling import LossScaler, build_scaler, resolve_policy
+from mptrain.loss_scaling import LossScaler
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
 from mptrain.precision import MasterWeights, Precision, build_precision
+from mptrain.scalers import build_scaler, resolve_policy
 from mptrain.tasks import Objective, Task, build_task
 from mptrain.telemetry import GradientTelemetry, build_telemetry
 

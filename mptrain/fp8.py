@@ -1,40 +1,55 @@
 """FP8 training: exact FP8 numerics, emulated FP8 layers (Mellempudi et al. 2019), and torchao.
 
 Selected by ``precision=fp8``; options ``precision.backend`` (emulated | torchao),
-``precision.format`` (e5m2 | hybrid), ``precision.master_weights`` (fp16 | fp32),
-``precision.stochastic_rounding``, ``precision.emulated_compute`` (fp32 | bf16) and, for torchao,
-``precision.recipe``.
+``precision.scaling`` (loss | tensor), ``precision.format`` (e5m2 | hybrid),
+``precision.master_weights`` (fp16 | fp32), ``precision.stochastic_rounding``,
+``precision.emulated_compute`` (fp32 | bf16) and, for torchao, ``precision.recipe``.
+
+Two recipes (``precision.scaling``):
+
+- ``loss`` (the default): Mellempudi et al. 2019 as written. Tensors are rounded to E5M2 as they
+  are, with no per-tensor rescaling, so the loss scale is what moves errors and gradients into
+  E5M2's range (smallest subnormal 2^-16, max 57344): it decides how many gradients underflow, and
+  an error or gradient past max becomes Inf so that the loss scaler backs off (enhanced loss
+  scaling, ``loss_scale=auto``).
+- ``tensor``: the modern "current scaling" recipe (Transformer Engine, torchao ``tensorwise``):
+  every quantisation gets its own power-of-two scale from the tensor's amax. E5M2 rounding is
+  invariant under a power-of-two rescaling, so here the loss scale has no effect on the rounded
+  values at all.
 
 Numerics (usable on their own):
 
-- ``quantize(x, fmt, scale=None)``: round-to-nearest-even onto the format's grid, subnormals
-  included, saturating at +-max; NaN stays NaN. Values come back dequantized in x's dtype.
+- ``quantize(x, fmt, scale=None, saturate=True)``: round-to-nearest-even onto the format's grid,
+  subnormals included, saturating at +-max (or overflowing to +-Inf with ``saturate=False``); NaN
+  stays NaN. Values come back dequantized in x's dtype.
 - ``stochastic_round(x, fmt_or_dtype)``: unbiased rounding, E[round(x)] = x.
 - ``tensor_scale(x, fmt)`` / ``quantize_scaled``: per-tensor power-of-two scaling, computed on
   the device (no host sync).
 
 Emulated training: ``convert_model`` swaps every nn.Linear, nn.Conv2d and nn.ConvTranspose2d for
-a subclass that quantizes weights and input activations (round-to-nearest; E5M2, or E4M3 for
-``format=hybrid``) and, in backward, the error (grad wrt output) and the weight gradient to E5M2.
-The products are computed in ``emulated_compute`` on the dequantized values, as FP8 hardware
-accumulates in higher precision. ``after_step`` keeps FP16 master weights.
+a subclass that quantizes weights and input activations (round-to-nearest, saturating; E5M2, or
+E4M3 for ``format=hybrid``) and, in backward, the error (grad wrt output) and the weight gradient
+to E5M2. The products are computed in ``emulated_compute`` on the dequantized values, as FP8
+hardware accumulates in higher precision. ``Fp8State.after_step`` keeps FP16 master weights. Every
+network of a task (a GAN's generator and discriminator) is converted into the same state.
+
+This module does not import the precision object: ``convert_model`` takes the options and returns
+the state that ``mptrain.precision.Precision`` keeps.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
-
-if TYPE_CHECKING:
-    from mptrain.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -104,26 +119,32 @@ def _work(x: Tensor) -> Tensor:
 # rounding
 
 
-def quantize(x: Tensor, fmt: Fp8Format | torch.dtype, scale: Tensor | float | None = None) -> Tensor:
+def quantize(
+    x: Tensor, fmt: Fp8Format | torch.dtype, scale: Tensor | float | None = None, *, saturate: bool = True
+) -> Tensor:
     """Round x to nearest-even on ``fmt``'s grid (subnormals included), saturating at +-max.
 
-    NaN stays NaN; +-Inf saturates too. With ``scale``, rounds ``x * scale`` and divides back
-    (see ``tensor_scale``); then non-finite values pass through unchanged, so an FP32 overflow
-    still reaches the loss scaler. Returns dequantized values in x's dtype.
+    NaN stays NaN; +-Inf saturates too. With ``saturate=False`` (formats with an Inf: E5M2, FP16)
+    values at or past max + half an ulp become +-Inf, as an IEEE cast does: that is how an
+    overflowing FP8 gradient reaches the loss scaler. With ``scale``, rounds ``x * scale`` and
+    divides back (see ``tensor_scale``); then non-finite values pass through unchanged, so an FP32
+    overflow still reaches the loss scaler. Returns dequantized values in x's dtype.
     """
     fmt = as_format(fmt)
     xf = _work(x)
     if scale is not None:
-        q = torch.where(torch.isfinite(xf), _native_round(xf * scale, fmt) / scale, xf)
+        q = torch.where(torch.isfinite(xf), _native_round(xf * scale, fmt, saturate) / scale, xf)
     else:
-        q = _native_round(xf, fmt)
+        q = _native_round(xf, fmt, saturate)
     return q.to(x.dtype)
 
 
-def _native_round(xf: Tensor, fmt: Fp8Format) -> Tensor:
+def _native_round(xf: Tensor, fmt: Fp8Format, saturate: bool = True) -> Tensor:
     # torch's own cast rounds to nearest-even with subnormals, but overflows (E5M2, FP16: Inf
     # past max + half an ulp) instead of saturating, so clamp first (clamp keeps NaN).
-    return xf.clamp(-fmt.max, fmt.max).to(fmt.dtype).to(xf.dtype)
+    if saturate:
+        xf = xf.clamp(-fmt.max, fmt.max)
+    return xf.to(fmt.dtype).to(xf.dtype)
 
 
 def stochastic_round(
@@ -132,17 +153,19 @@ def stochastic_round(
     generator: torch.Generator | None = None,
     *,
     scale: Tensor | float | None = None,
+    saturate: bool = True,
 ) -> Tensor:
     """Round x down to the grid point below |x| with probability 1 - (|x| - down) / eps, else up.
 
     eps is the grid spacing at x (the subnormal spacing below the smallest normal), so
-    E[round(x)] = x (Mellempudi et al. 2019). Saturates at +-max; NaN stays NaN. ``scale`` as in
-    ``quantize``. Written by hand: torch has no stochastic-rounding cast.
+    E[round(x)] = x (Mellempudi et al. 2019). Saturates at +-max (with ``saturate=False``,
+    |x| > max becomes +-Inf); NaN stays NaN. ``scale`` as in ``quantize``. Written by hand: torch
+    has no stochastic-rounding cast.
     """
     fmt = as_format(fmt_or_dtype)
     xf = _work(x)
     if scale is not None:
-        q = stochastic_round(xf * scale, fmt, generator) / scale
+        q = stochastic_round(xf * scale, fmt, generator, saturate=saturate) / scale
         return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
     a = xf.abs().clamp(max=fmt.max)
     _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): floor(log2(a)) = e - 1
@@ -152,6 +175,8 @@ def stochastic_round(
     p_up = (a - down) / eps  # exact: a and down share a binade, eps is a power of two
     u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
     r = torch.copysign(down + eps * (u < p_up), xf)  # max is a grid point: down + eps <= max
+    if not saturate:
+        r = torch.where(xf.abs() > fmt.max, torch.copysign(torch.full_like(r, math.inf), xf), r)
     return torch.where(torch.isnan(xf), xf, r).to(x.dtype)
 
 
@@ -199,33 +224,40 @@ class Fp8LayerSpec:
     backward: Fp8Format = E5M2  # errors and weight gradients
     stochastic: bool = True  # stochastic rounding of errors and weight gradients
     compute_dtype: torch.dtype = torch.float32  # precision.emulated_compute
+    scaling: str = "loss"  # precision.scaling: loss (Mellempudi et al.) | tensor (per-tensor scales)
+
+    def round_operand(self, x: Tensor) -> Tensor:
+        """Weights and activations: round to nearest, saturating at the forward format's max."""
+        return quantize_scaled(x, self.forward) if self.scaling == "tensor" else quantize(x, self.forward)
+
+    def round_gradient(self, g: Tensor) -> Tensor:
+        """Errors and weight gradients in the backward format. With loss scaling alone they are
+        rounded as they are, and past E5M2's max they become Inf: the loss scaler's overflow."""
+        if self.scaling == "tensor":
+            return quantize_scaled(g, self.backward, self.stochastic)
+        if self.stochastic:
+            return stochastic_round(g, self.backward, saturate=False)
+        return quantize(g, self.backward, saturate=False)
 
 
 class _QuantizeOperand(torch.autograd.Function):
-    """Forward: round an operand to nearest (per-tensor scaled), in the compute dtype.
+    """Forward: round an operand to nearest, in the compute dtype.
 
     Backward: straight through, except that a weight's gradient is itself quantized
-    (``grad_fmt`` set): that is the FP8 weight gradient.
+    (``is_weight``): that is the FP8 weight gradient.
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: Tensor,
-        fmt: Fp8Format,
-        grad_fmt: Fp8Format | None,
-        stochastic: bool,
-        compute_dtype: torch.dtype,
-    ) -> Tensor:
-        ctx.x_dtype, ctx.grad_fmt, ctx.stochastic = x.dtype, grad_fmt, stochastic
-        return quantize_scaled(x, fmt).to(compute_dtype)
+    def forward(ctx: Any, x: Tensor, spec: Fp8LayerSpec, is_weight: bool) -> Tensor:  # type: ignore[override]
+        ctx.x_dtype, ctx.spec, ctx.is_weight = x.dtype, spec, is_weight
+        return spec.round_operand(x).to(spec.compute_dtype)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         g = g.to(ctx.x_dtype)
-        if ctx.grad_fmt is not None:
-            g = quantize_scaled(g, ctx.grad_fmt, ctx.stochastic)
-        return g, None, None, None, None
+        if ctx.is_weight:
+            g = ctx.spec.round_gradient(g)
+        return g, None, None
 
 
 class _QuantizeError(torch.autograd.Function):
@@ -233,16 +265,14 @@ class _QuantizeError(torch.autograd.Function):
     (grad wrt output) to the backward format before the layer's products see it."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, y: Tensor, fmt: Fp8Format, stochastic: bool, out_dtype: torch.dtype
-    ) -> Tensor:
-        ctx.y_dtype, ctx.fmt, ctx.stochastic = y.dtype, fmt, stochastic
+    def forward(ctx: Any, y: Tensor, spec: Fp8LayerSpec, out_dtype: torch.dtype) -> Tensor:  # type: ignore[override]
+        ctx.y_dtype, ctx.spec = y.dtype, spec
         # A copy, not a view: the next op may be in place (VGG's and AlexNet's ReLU(inplace=True)).
         return y.to(out_dtype) if y.dtype != out_dtype else y.clone()
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        return quantize_scaled(g, ctx.fmt, ctx.stochastic).to(ctx.y_dtype), None, None, None
+        return ctx.spec.round_gradient(g).to(ctx.y_dtype), None, None
 
 
 class _Fp8Mixin:
@@ -258,22 +288,22 @@ class _Fp8Mixin:
 
     def _fp8_operands(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         s = self.fp8_spec
-        xq = _QuantizeOperand.apply(x, s.forward, None, s.stochastic, s.compute_dtype)
-        wq = _QuantizeOperand.apply(self.weight, s.forward, s.backward, s.stochastic, s.compute_dtype)
+        xq = _QuantizeOperand.apply(x, s, False)
+        wq = _QuantizeOperand.apply(self.weight, s, True)
         # Bias stays unquantized (added in the accumulator's precision); its gradient is the
         # sum of the already-quantized error.
         b = None if self.bias is None else self.bias.to(s.compute_dtype)
         return xq, wq, b
 
     def _fp8_output(self, y: Tensor, x: Tensor) -> Tensor:
-        s = self.fp8_spec
-        return _QuantizeError.apply(y, s.backward, s.stochastic, x.dtype)
+        return _QuantizeError.apply(y, self.fp8_spec, x.dtype)
 
     def extra_repr(self) -> str:
         s = self.fp8_spec
         return (
             f"{super().extra_repr()}, fp8={s.forward.name}/{s.backward.name}, "  # type: ignore[misc]
-            f"stochastic={s.stochastic}, compute={str(s.compute_dtype).replace('torch.', '')}"
+            f"stochastic={s.stochastic}, compute={str(s.compute_dtype).replace('torch.', '')}, "
+            f"scaling={s.scaling}"
         )
 
 
@@ -327,52 +357,86 @@ _EMULATED: dict[type[nn.Module], type[nn.Module]] = {
 
 @dataclass
 class Fp8State:
-    """What ``convert_model`` did, kept on ``Precision.fp8_state`` for logs and ``after_step``."""
+    """What ``convert_model`` did, kept on ``Precision.fp8_state`` for logs and ``after_step``.
+
+    One state for every network of a task: ``convert_model`` adds each network it converts (a
+    GAN's generator and discriminator), so all of them get the recipe and FP16 master rounding.
+    """
 
     backend: str  # precision.backend
-    converted: list[str]  # names of the converted layers ("" is the root module)
+    converted: list[str] = field(default_factory=list)  # converted layers ("" is the root module)
     format: str | None = None  # precision.format (emulated)
+    scaling: str | None = None  # precision.scaling (emulated): loss | tensor
     recipe: str | None = None  # precision.recipe (torchao)
     master_weights: str = "fp32"  # precision.master_weights (emulated)
     stochastic_rounding: bool = False
-    # The converted model itself, not a list of its parameters: a later .to() or
+    # The converted models themselves, not lists of their parameters: a later .to() or
     # load_state_dict(assign=True) may replace Parameter objects.
-    model: nn.Module | None = field(default=None, repr=False)
+    models: list[nn.Module] = field(default_factory=list, repr=False)
+    networks: dict[str, list[str]] = field(default_factory=dict)  # network name -> its layers
+
+    def add(self, name: str, model: nn.Module, layers: list[str]) -> None:
+        while name in self.networks:  # two networks of one class
+            name += "'"
+        self.networks[name] = layers
+        self.models.append(model)
+        # One network: layer names as they are; several: prefixed by the network.
+        self.converted = (
+            list(layers) if len(self.networks) == 1
+            else [f"{net}.{n}" if n else net for net, ls in self.networks.items() for n in ls]
+        )  # fmt: skip
 
     def describe(self) -> dict[str, Any]:
         return {
             "backend": self.backend,
             "format": self.format,
+            "scaling": self.scaling,
             "recipe": self.recipe,
             "master_weights": self.master_weights,
             "stochastic_rounding": self.stochastic_rounding,
             "converted": list(self.converted),
+            "networks": {k: list(v) for k, v in self.networks.items()},
         }
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After each optimizer step: with ``master_weights=fp16``, round every parameter of every
+        converted network onto the FP16 grid (stochastically if ``stochastic_rounding``), so the
+        master copy carries only FP16 information. No host sync: device ops only."""
+        if self.backend != "emulated" or self.master_weights != "fp16":
+            return
+        for model in self.models:
+            for p in model.parameters():
+                p.copy_(stochastic_round(p, FP16) if self.stochastic_rounding else quantize(p, FP16))
 
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SCALINGS = ("loss", "tensor")
 
 
-def convert_model(model: nn.Module, precision: Precision) -> nn.Module:
-    """Convert ``model`` for FP8 training per ``precision.backend``; fills ``precision.fp8_state``.
+def convert_model(
+    model: nn.Module, options: Mapping[str, Any], state: Fp8State | None = None
+) -> tuple[nn.Module, Fp8State]:
+    """Convert ``model`` for FP8 training per ``options["backend"]``; returns it and the state.
 
+    Pass the state of the task's previous networks as ``state``: the new network is added to it.
     emulated: every nn.Linear / nn.Conv2d / nn.ConvTranspose2d (exact type) becomes its Fp8*
-    subclass in place, with forward format from ``precision.format``, stochastic rounding of
-    gradients from ``precision.stochastic_rounding`` and products in
-    ``precision.emulated_compute``. With ``precision.master_weights=fp16`` every parameter is
-    rounded to FP16 now and after every step (``after_step``).
+    subclass in place, with forward format from ``format``, range handling from ``scaling``,
+    stochastic rounding of gradients from ``stochastic_rounding`` and products in
+    ``emulated_compute``. With ``master_weights=fp16`` every parameter is rounded to FP16 now and
+    after every step (``Fp8State.after_step``).
     torchao: see ``_convert_torchao``.
     """
-    opts = precision.options
-    backend = precision.fp8 or str(opts.get("backend", "emulated"))
+    backend = str(options.get("backend", "emulated"))
     if backend == "torchao":
-        return _convert_torchao(model, precision)
+        return _convert_torchao(model, options, state)
     if backend != "emulated":
         raise MptrainError(f"precision.backend={backend!r}: must be one of emulated, torchao")
 
-    fmt_name = str(opts.get("format", "e5m2"))
-    masters = str(opts.get("master_weights", "fp16"))
-    compute = str(opts.get("emulated_compute", "fp32"))
+    fmt_name = str(options.get("format", "e5m2"))
+    masters = str(options.get("master_weights", "fp16"))
+    compute = str(options.get("emulated_compute", "fp32"))
+    scaling = str(options.get("scaling", "loss"))
     forward = {"e5m2": E5M2, "hybrid": E4M3}.get(fmt_name)
     if forward is None:
         raise MptrainError(f"precision.format={fmt_name!r}: must be one of e5m2, hybrid")
@@ -380,9 +444,11 @@ def convert_model(model: nn.Module, precision: Precision) -> nn.Module:
         raise MptrainError(f"precision.master_weights={masters!r}: must be one of fp16, fp32")
     if compute not in _COMPUTE:
         raise MptrainError(f"precision.emulated_compute={compute!r}: must be one of fp32, bf16")
-    stochastic = bool(opts.get("stochastic_rounding", True))
+    if scaling not in SCALINGS:
+        raise MptrainError(f"precision.scaling={scaling!r}: must be one of {', '.join(SCALINGS)}")
+    stochastic = bool(options.get("stochastic_rounding", True))
     spec = Fp8LayerSpec(
-        forward=forward, backward=E5M2, stochastic=stochastic, compute_dtype=_COMPUTE[compute]
+        forward=forward, backward=E5M2, stochastic=stochastic, compute_dtype=_COMPUTE[compute], scaling=scaling
     )
 
     converted = []
@@ -399,39 +465,27 @@ def convert_model(model: nn.Module, precision: Precision) -> nn.Module:
             "precision=fp8 (emulated): the model has no Linear/Conv2d/ConvTranspose2d layer to convert"
         )
 
-    precision.fp8_state = Fp8State(
-        backend="emulated",
-        converted=converted,
-        format=fmt_name,
-        master_weights=masters,
-        stochastic_rounding=stochastic,
-        model=model,
-    )
+    if state is None:
+        state = Fp8State(
+            backend="emulated", format=fmt_name, scaling=scaling, master_weights=masters,
+            stochastic_rounding=stochastic,
+        )  # fmt: skip
+    state.add(type(model).__name__, model, converted)
     if masters == "fp16":
         # The master copy starts as FP16 too, as if the model had been cast.
         with torch.no_grad():
             for p in model.parameters():
                 p.copy_(quantize(p, FP16))
     log.info(
-        "fp8 emulated: %s forward, E5M2 backward, %s masters, %d layers converted: %s",
+        "fp8 emulated (%s scaling): %s forward, E5M2 backward, %s masters, %d layers of %s converted: %s",
+        scaling,
         forward.name,
         masters,
         len(converted),
+        type(model).__name__,
         ", ".join(n or "<root>" for n in converted),
     )
-    return model
-
-
-@torch.no_grad()
-def after_step(precision: Precision) -> None:
-    """After each optimizer step: with ``precision.master_weights=fp16``, round every parameter
-    onto the FP16 grid (stochastically if ``precision.stochastic_rounding``), so the master copy
-    carries only FP16 information. No host sync: device ops only."""
-    state = precision.fp8_state
-    if not isinstance(state, Fp8State) or state.model is None or state.master_weights != "fp16":
-        return
-    for p in state.model.parameters():
-        p.copy_(stochastic_round(p, FP16) if state.stochastic_rounding else quantize(p, FP16))
+    return model, state
 
 
 def _fp8_eligible(m: nn.Linear) -> bool:
@@ -439,10 +493,12 @@ def _fp8_eligible(m: nn.Linear) -> bool:
     return m.in_features % 16 == 0 and m.out_features % 16 == 0
 
 
-def _convert_torchao(model: nn.Module, precision: Precision) -> nn.Module:
+def _convert_torchao(
+    model: nn.Module, options: Mapping[str, Any], state: Fp8State | None
+) -> tuple[nn.Module, Fp8State]:
     """torchao ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``
     (``precision.recipe``), skipping Linear layers whose in/out features are not divisible by 16."""
-    recipe = str(precision.options.get("recipe", "tensorwise"))
+    recipe = str(options.get("recipe", "tensorwise"))
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not any(_fp8_eligible(m) for _, m in linears):
         found = ", ".join(f"{n or '<root>'}: {m.in_features}x{m.out_features}" for n, m in linears)
@@ -463,6 +519,8 @@ def _convert_torchao(model: nn.Module, precision: Precision) -> nn.Module:
     config = Float8LinearConfig.from_recipe_name(recipe)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
-    precision.fp8_state = Fp8State(backend="torchao", converted=converted, recipe=recipe)
+    if state is None:
+        state = Fp8State(backend="torchao", recipe=recipe)
+    state.add(type(model).__name__, model, converted)
     log.info("fp8 torchao (%s): %d Linear layers converted: %s", recipe, len(converted), ", ".join(converted))
-    return model
+    return model, state

@@ -23,7 +23,6 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import DivergedError, MptrainError
@@ -85,6 +84,18 @@ class LossScaler(ABC):
     def telemetry(self) -> dict[str, Tensor]:
         """Extra per-step device scalars/vectors to log (per-layer scales for ``adaptive``)."""
         return {}
+
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        """Build from ``loss_scale.*`` without ``name`` (empty when ``auto`` chose this policy)."""
+        return cls(device, **params)  # type: ignore[call-arg]
+
+    def layer_grad_scales(self, module: nn.Module) -> tuple[Tensor, Tensor]:
+        """The scales a layer's gradients carry in this step (after backward, before ``unscale_``):
+        (gradient at its output, its parameter gradients). One loss-level scale for both here;
+        ``adaptive`` gives each layer its own. Telemetry divides by these to find true values."""
+        s = self.scale_value.detach().float().clone()
+        return s, s
 
 
 class NoScaler(LossScaler):
@@ -187,19 +198,26 @@ class StaticScaler(_GradScalerBase):
 
     policy = "static"
 
-    def __init__(self, device: torch.device, scale: float) -> None:
+    def __init__(self, device: torch.device, scale: float = 128.0) -> None:
         super().__init__(device, scale)
+
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        return cls(device, scale=float(params.get("scale", 128.0)))
 
 
 class DynamicScaler(_GradScalerBase):
     """GradScaler's dynamic policy, plus what it lacks.
 
     On overflow: skip the step; spend one unit of hysteresis, and once it is spent multiply the
-    scale by ``backoff_factor``. After ``growth_interval`` consecutive clean steps multiply it by
-    ``growth_factor``. With hysteresis=1 and no floor or cap this is GradScaler's rule, and torch's
-    fused ``_amp_update_scale_`` runs it; the rest is written by hand because GradScaler has no
+    scale by ``backoff_factor`` on this and every further overflow until the budget refills (when
+    the scale grows, or on every clean step with ``consecutive_hysteresis``: DeepSpeed's rule).
+    After ``growth_interval`` consecutive clean steps multiply it by ``growth_factor``. With
+    hysteresis=1 and no floor or cap this is GradScaler's rule, and torch's fused
+    ``_amp_update_scale_`` runs it; the rest is written by hand because GradScaler has no
     hysteresis, floor or cap (tests/test_loss_scaling.py checks the hand-written path reproduces
-    GradScaler's trajectory when those features are configured not to bite).
+    GradScaler's trajectory when those features are configured not to bite, and DeepSpeed's
+    when hysteresis bites).
     """
 
     policy = "dynamic"
@@ -243,18 +261,20 @@ class DynamicScaler(_GradScalerBase):
         overflow = found_inf > 0
         hysteresis_spent = self._hysteresis_left <= 1
         back_off = overflow & hysteresis_spent
-        # Hysteresis: an overflow first uses up budget; the budget refills when the scale backs
-        # off, and after every clean step if consecutive_hysteresis.
-        refill = back_off | (~overflow & self.consecutive_hysteresis)
+        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = tracker >= self.growth_interval
+        # Hysteresis, DeepSpeed's rule (DynamicLossScaler.update_scale): an overflow spends one unit
+        # of budget while more than one is left; once it is spent, every further overflow backs off
+        # (a storm halves the scale each time). The budget refills only when the scale grows, or
+        # after every clean step with consecutive_hysteresis; never on back-off.
+        refill = ~overflow & (grow | self.consecutive_hysteresis)
         self._hysteresis_left.copy_(
             torch.where(
                 refill,
                 torch.full_like(self._hysteresis_left, self.hysteresis),
-                torch.where(overflow, self._hysteresis_left - 1, self._hysteresis_left),
+                torch.where(overflow & ~hysteresis_spent, self._hysteresis_left - 1, self._hysteresis_left),
             )
         )
-        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
-        grow = tracker >= self.growth_interval
         new_scale = torch.where(
             back_off,
             self._scale * self.backoff_factor,
@@ -295,6 +315,15 @@ class DynamicScaler(_GradScalerBase):
         return {**super().summary(), "growth_tracker": int(self._growth_tracker)}
 
 
+# The enhanced policy's defaults (configs/loss_scale/enhanced.yaml states the same; a test checks
+# they agree), used as they are when loss_scale=auto picks enhanced for FP8: a floor that rises.
+ENHANCED_DEFAULTS: dict[str, Any] = {
+    "init_scale": 65536.0,
+    "growth_interval": 1000,
+    "min_scale_schedule": {0: 1.0, 1000: 64.0, 5000: 512.0},
+}
+
+
 class EnhancedScaler(DynamicScaler):
     """Mellempudi et al. 2019's enhanced loss scaling for FP8.
 
@@ -333,35 +362,8 @@ class EnhancedScaler(DynamicScaler):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "min_scale": self.current_floor()}
 
-
-def resolve_policy(loss_scale: str, precision_resolved: str, fp8_backend: str | None = None) -> str:
-    """``auto`` picks the policy a precision needs: dynamic for FP16 compute, enhanced for emulated
-    FP8, none for fp32/tf32/bf16 (bf16 has FP32's exponent range)."""
-    if loss_scale != "auto":
-        return loss_scale
-    if precision_resolved in ("amp_fp16", "fp16_master"):
-        return "dynamic"
-    if precision_resolved == "fp8" and fp8_backend == "emulated":
-        return "enhanced"
-    return "none"
-
-
-def build_scaler(cfg: DictConfig, policy: str, device: torch.device) -> LossScaler:
-    """Make the scaler for one loss. Reads ``loss_scale.*`` (policy already resolved from auto)."""
-    params = {k: v for k, v in cfg.items() if k != "name"}
-    if policy == "none":
-        return NoScaler(device)
-    if policy == "static":
-        return StaticScaler(device, scale=float(cfg.get("scale", 128.0)))
-    if policy == "dynamic":
-        return DynamicScaler(device, **params) if cfg.name == "dynamic" else DynamicScaler(device)
-    if policy == "enhanced":
-        if cfg.name != "enhanced":  # auto on fp8: the enhanced defaults
-            return EnhancedScaler(device, min_scale_schedule={0: 1.0})
-        schedule = params.pop("min_scale_schedule")
-        return EnhancedScaler(device, min_scale_schedule=dict(schedule), **params)
-    if policy == "adaptive":
-        from mptrain.adaptive_scaling import AdaptiveScaler
-
-        return AdaptiveScaler(device, **params)
-    raise MptrainError(f"loss_scale={policy!r}: unknown policy")
+    @classmethod
+    def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
+        params = dict(params) if params else dict(ENHANCED_DEFAULTS)
+        schedule = dict(params.pop("min_scale_schedule"))
+        return cls(device, min_scale_schedule=schedule, **params)

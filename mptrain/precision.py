@@ -140,9 +140,11 @@ class Precision:
                     if isinstance(module, _NORM_TYPES):
                         module.float()
         if self.fp8 is not None:
-            from mptrain import fp8
+            # Imported here: FP8 is optional numerics (fp8 itself never imports this module).
+            from mptrain.fp8 import convert_model
 
-            model = fp8.convert_model(model, self)
+            # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
+            model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
         return model
 
     def master_weights(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MasterWeights | None]:
@@ -162,10 +164,8 @@ class Precision:
 
     def after_step(self) -> None:
         """Per-step work of the precision itself, after every optimizer step (FP8 master rounding)."""
-        if self.fp8 == "emulated":
-            from mptrain import fp8
-
-            fp8.after_step(self)
+        if self.fp8_state is not None:
+            self.fp8_state.after_step()
 
     def input_cast(self, x: Tensor) -> Tensor:
         """Inputs follow the weights' dtype when the model itself is stored in low precision."""
@@ -233,10 +233,13 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
         if backend == "torchao":
             _check_torchao(device)
             p.autocast_dtype = torch.bfloat16  # non-Linear ops run in bf16 around the FP8 matmuls
-        elif options.get("master_weights", "fp16") == "fp16":
-            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP16 master weights"
         else:
-            p.note = "FP8 emulated: E5M2/E4M3 values computed in higher precision, FP32 master weights"
+            masters = str(options.get("master_weights", "fp16")).upper()
+            recipe = (
+                "per-tensor scales (current scaling)" if options.get("scaling", "loss") == "tensor"
+                else "no per-tensor scaling: the loss scale keeps gradients in range (Mellempudi et al.)"
+            )  # fmt: skip
+            p.note = f"FP8 emulated: E5M2/E4M3 values computed in higher precision, {masters} master weights, {recipe}"
     else:
         raise MptrainError(f"precision={name!r}: unknown mode")
 

@@ -265,7 +265,10 @@ class _Record:
     """Everything captured on one active step, on the device until ``flush``."""
 
     step: int
-    scale: Tensor | None = None
+    scale: Tensor | None = None  # the loss-level scale (what the shadow pass multiplies its loss by)
+    # (act|weight, layer) -> the scale that layer's gradients carry: the loss scale, or for
+    # adaptive scaling the layer's own cumulative scale. Set after backward.
+    layer_scales: dict[tuple[str, int], Tensor] = field(default_factory=dict)
     captures: int = 0  # backward passes captured (micro-batches)
     weights_done: bool = False
     # kind: act | weight (as the run stored them), act32 | weight32 (the FP32 shadow pass)
@@ -454,7 +457,13 @@ class GradientTelemetry:
         no-op on steps that ``active`` did not start."""
         self._armed = False
         rec = self._record
-        if rec is None or rec.scale is None or rec.weights_done or not self.weights:
+        if rec is None or rec.scale is None:
+            return
+        if not rec.layer_scales:
+            # After backward: per-layer scales (adaptive) are known only now, and change next step.
+            for i, (_, layer) in enumerate(self.layers):
+                rec.layer_scales["act", i], rec.layer_scales["weight", i] = self.scaler.layer_grad_scales(layer)
+        if rec.weights_done or not self.weights:
             return
         rec.weights_done = True
         for i, (_, layer) in enumerate(self.layers):
@@ -579,41 +588,44 @@ class GradientTelemetry:
             return
         pieces: list[Tensor] = []
         for r in records:
-            pieces.append(
-                (r.scale if r.scale is not None else torch.ones((), device=self.precision.device)).double().reshape(1)
-            )
-            for acc in r.stats.values():
-                pieces += [acc.hist.double(), acc.amax.double().reshape(1)]
+            scale = r.scale if r.scale is not None else torch.ones((), device=self.precision.device)
+            pieces.append(scale.double().reshape(1))
+            for (kind, i), acc in r.stats.items():
+                key_scale = r.layer_scales.get((kind.removesuffix("32"), i), scale)
+                pieces += [acc.hist.double(), acc.amax.double().reshape(1), key_scale.double().reshape(1)]
             pieces += [c.double().reshape(1) for c in r.lost.values()]
         host = torch.cat([p.to(self.precision.device) for p in pieces]).cpu().numpy()
         pos = 0
         for r in records:
-            scale = float(host[pos])
-            pos += 1
-            stats: dict[tuple[str, int], tuple[np.ndarray, float, int]] = {}
+            pos += 1  # the loss-level scale: each statistic carries its own below
+            stats: dict[tuple[str, int], tuple[np.ndarray, float, int, float]] = {}
             for key, acc in r.stats.items():
-                stats[key] = (host[pos : pos + N_BINS].astype(np.int64), float(host[pos + N_BINS]), acc.numel)
-                pos += N_BINS + 1
+                stats[key] = (
+                    host[pos : pos + N_BINS].astype(np.int64), float(host[pos + N_BINS]), acc.numel,
+                    float(host[pos + N_BINS + 1]),
+                )  # fmt: skip
+                pos += N_BINS + 2
             lost: dict[tuple[str, int], tuple[int, int]] = {}
             for key in r.lost:
                 lost[key] = (int(host[pos]), r.lost_numel[key])
                 pos += 1
-            self._absorb(r.step, scale, stats, lost, logger)
+            self._absorb(r.step, stats, lost, logger)
 
     def _absorb(
         self,
         step: int,
-        scale: float,
-        stats: dict[tuple[str, int], tuple[np.ndarray, float, int]],
+        stats: dict[tuple[str, int], tuple[np.ndarray, float, int, float]],
         lost: dict[tuple[str, int], tuple[int, int]],
         logger: Any,
     ) -> None:
+        """``stats``: (kind, layer) -> (histogram, amax, numel, the scale those gradients carry)."""
         self.steps_sampled += 1
-        shift = round(math.log2(scale)) if scale > 0 else 0
-        log2_scale = math.log2(scale) if scale > 0 else 0.0
         writer = getattr(logger, "writer", None) if logger is not None else None
         totals: dict[str, tuple[np.ndarray, float, int]] = {}
-        for (kind, i), (hist, amax, numel) in sorted(stats.items()):
+        for (kind, i), (hist, amax, numel, scale) in sorted(stats.items()):
+            # Unscale by the layer's own scale (adaptive scaling gives every layer its own).
+            shift = round(math.log2(scale)) if scale > 0 else 0
+            log2_scale = math.log2(scale) if scale > 0 else 0.0
             base = kind.removesuffix("32")
             runs = self._run_shadow if kind.endswith("32") else self._run
             run = runs.get((base, i)) or runs.setdefault((base, i), _RunStats())

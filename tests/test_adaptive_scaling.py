@@ -229,7 +229,7 @@ def _reference_grads(model: nn.Module, x: Tensor, y: Tensor, mult: float) -> dic
 def _adaptive_grads(
     model: nn.Module, x: Tensor, y: Tensor, mult: float, **kwargs: float
 ) -> tuple[AdaptiveScaler, torch.optim.Optimizer]:
-    scaler = AdaptiveScaler(CPU, **kwargs)
+    scaler = AdaptiveScaler(CPU, **{"init_scale": 1.0, **kwargs})
     assert scaler.attach(model) is model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(F.cross_entropy(model(x), y) * mult).backward()
@@ -260,7 +260,7 @@ def test_unscaled_grads_equal_fp32_grads(make: type[nn.Module]) -> None:
 def test_joins_get_forks_and_chains_do_not() -> None:
     forks = {}
     for make in (MLP, ResidualCNN, InceptionLike, InplaceJoin):
-        scaler = AdaptiveScaler(CPU)
+        scaler = AdaptiveScaler(CPU, init_scale=1.0)
         scaler.attach(make())
         forks[make] = [n for n in scaler._entries if n.startswith("fork:")]
     assert forks[MLP] == []
@@ -290,7 +290,7 @@ def test_gradient_accumulation_uses_one_scale_per_step() -> None:
     ref = copy.deepcopy(model)
     for x, y in ((x1, y1), (x2, y2)):
         (F.cross_entropy(ref(x), y) * TINY).backward()
-    scaler = AdaptiveScaler(CPU)
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     scaler.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in ((x1, y1), (x2, y2)):
@@ -307,7 +307,7 @@ def test_no_grad_forward_is_the_original_and_module_is_unchanged() -> None:
     x, _ = _batch(model)
     with torch.no_grad():
         before = model(x)
-    AdaptiveScaler(CPU).attach(model)
+    AdaptiveScaler(CPU, init_scale=1.0).attach(model)
     with torch.no_grad():
         assert torch.equal(model(x), before)
     assert torch.equal(model(x).detach(), before)
@@ -344,7 +344,7 @@ def test_adaptive_scaling_rescues_fp16_underflow() -> None:
     (F.cross_entropy(ref(x), y) * 2.0**-16).backward()
     want = [p.grad for n, p in ref.named_parameters() if n.endswith("weight")]
     plain = _fp16_weight_grads(copy.deepcopy(base), x, y, None)
-    scaler = AdaptiveScaler(CPU)
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     rescued = _fp16_weight_grads(copy.deepcopy(base), x, y, scaler)
 
     def zero_frac(gs: list[Tensor]) -> float:
@@ -362,6 +362,31 @@ def test_adaptive_scaling_rescues_fp16_underflow() -> None:
     assert scaler.telemetry()["cum_scale"].max().item() == 1024  # accum_cap reached
 
 
+def test_default_starts_the_chain_at_the_output_and_lifts_dl_dlogits() -> None:
+    """The gradient at the logits (a mean over the batch) underflows FP16 before any layer can
+    scale it. The default (init_scale=auto) scales it at the outputs, in FP32, before the cast:
+    the top layer's weight gradient then matches FP32 (the independent reference)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    ref = copy.deepcopy(base)
+    (F.cross_entropy(ref(x), y) * 2.0**-16).backward()
+    want = [p.grad for n, p in ref.named_parameters() if n.endswith("weight")]
+
+    def top_error(scaler: AdaptiveScaler) -> tuple[float, float]:
+        got = _fp16_weight_grads(copy.deepcopy(base), x, y, scaler)
+        lost = ((got[-1] == 0) & (want[-1] != 0)).float().mean().item()
+        return lost, ((got[-1] - want[-1]).norm() / want[-1].norm()).item()
+
+    lost_one, err_one = top_error(AdaptiveScaler(CPU, init_scale=1.0))  # the old default
+    default = AdaptiveScaler(CPU)
+    assert default.init_scale == "auto"
+    lost_auto, err_auto = top_error(default)
+    assert lost_one > 0.01 and err_one > 0.2  # at scale 1 the top layer's gradient is coarse and loses values
+    assert lost_auto < 0.1 * lost_one and err_auto < 2e-3
+    assert default.summary()["scale"] == 1024.0  # as far as accum_cap allows: far from overflow here
+
+
 # --------------------------------------------------------------------------------------------
 # skipping, state, integration
 
@@ -371,7 +396,7 @@ def test_non_finite_gradient_skips_the_step(fused: bool) -> None:
     torch.manual_seed(0)
     model = ResidualCNN()
     x, y = _batch(model)
-    scaler = AdaptiveScaler(CPU)
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     scaler.attach(model)
     try:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
@@ -389,8 +414,37 @@ def test_non_finite_gradient_skips_the_step(fused: bool) -> None:
             assert torch.equal(v, before[k]), k
 
 
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_skip_forces_fresh_scales_with_every_optimizer_implementation(opt_name: str, impl: str) -> None:
+    # recompute_every=1000: only the forced recompute after a skipped step can pick new scales.
+    # Gradients grow 2^28 at step 5: the cached scales overflow FP16 once; fresh ones fit. lr=0
+    # keeps the model (and so the gradients) fixed, so any further skip is a stale scale.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    scaler = AdaptiveScaler(CPU, init_scale=1.0, recompute_every=1000, layer_cap=2.0**20, accum_cap=2.0**40)
+    scaler.attach(model)
+    kw = {"foreach": False} if impl == "for-loop" else {impl: True}
+    cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=0.0, **kw)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    skipped = []
+    for step in range(35):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(x)
+        scaler.scale(F.cross_entropy(out.float(), y) * (2.0**-14 if step < 5 else 2.0**14)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        skipped.append(int(scaler.found_inf.item()))
+        if step == 4:
+            assert scaler.telemetry()["cum_scale"].max().item() >= 64  # cached scales that lift
+    assert skipped == [0] * 5 + [1] + [0] * 29
+
+
 # Caps out of the way and gradients shrinking 4x per step, so that every recomputation differs.
-RECOMPUTE_3 = {"recompute_every": 3, "layer_cap": 2.0**20, "accum_cap": 2.0**40}
+RECOMPUTE_3 = {"init_scale": 1.0, "recompute_every": 3, "layer_cap": 2.0**20, "accum_cap": 2.0**40}
 
 
 def _train(model: nn.Module, scaler: AdaptiveScaler, opt: torch.optim.Optimizer, steps: range) -> list[Tensor]:
@@ -453,7 +507,7 @@ def test_fp16_model_with_master_weights_via_alias_params() -> None:
     model.half()
     master = MasterWeights(list(model.parameters()))
     opt = torch.optim.SGD(master.masters, lr=0.1)
-    scaler = AdaptiveScaler(CPU)
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     scaler.attach(model)
     scaler.alias_params(master.model_params, master.masters)
     scaler.scale(F.cross_entropy(model(x.half()).float(), y) * TINY).backward()
@@ -520,12 +574,12 @@ class SharedWeights(nn.Module):
 
 def test_refuses_what_it_cannot_make_consistent() -> None:
     with pytest.raises(MptrainError, match="Untraceable"):
-        AdaptiveScaler(CPU).attach(Untraceable())
+        AdaptiveScaler(CPU, init_scale=1.0).attach(Untraceable())
     with pytest.raises(MptrainError, match="shared layers"):
-        AdaptiveScaler(CPU).attach(SharedWeights())
+        AdaptiveScaler(CPU, init_scale=1.0).attach(SharedWeights())
     with pytest.raises(MptrainError, match="in place"):
-        AdaptiveScaler(CPU).attach(InplaceNotLast())
-    scaler = AdaptiveScaler(CPU)
+        AdaptiveScaler(CPU, init_scale=1.0).attach(InplaceNotLast())
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
     scaler.attach(MLP())
     stray = nn.Parameter(torch.ones(2))
     stray.grad = torch.ones(2)

@@ -28,12 +28,42 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+# Loaded at interpreter start-up by every torchrun worker (a sitecustomize on PYTHONPATH): records
+# which rank calls checkpoint.save_atomic. Two ranks writing would write the same path, so counting
+# files could not tell; this can.
+WRITE_HOOK = """
+import os
+if os.environ.get("RANK") is not None and os.environ.get("MPTRAIN_TEST_WRITES"):
+    import mptrain.checkpoint as _ck
+    _save = _ck.save_atomic
+
+    def _recording_save(state, path):
+        with open(os.environ["MPTRAIN_TEST_WRITES"], "a") as f:
+            f.write(os.environ["RANK"] + " " + str(path) + "\\n")
+        return _save(state, path)
+
+    _ck.save_atomic = _recording_save
+"""
+
+
+def hooked_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(WRITE_HOOK)
+    log = tmp_path / "writes.log"
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook_dir), e.get("PYTHONPATH")) if p)
+    e["MPTRAIN_TEST_WRITES"] = str(log)
+    return e, log
+
+
 def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     ddp, single = tmp_path / "ddp", tmp_path / "single"
+    hook_env, writes = hooked_env(tmp_path)
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
          *DIGITS, "data.batch_size=8", f"hydra.run.dir={ddp}"],
-        capture_output=True, text=True, env=env(), timeout=300,
+        capture_output=True, text=True, env=hook_env, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([sys.executable, "-m", "mptrain", *DIGITS, "data.batch_size=16", f"hydra.run.dir={single}"],
@@ -49,14 +79,18 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
         assert x == pytest.approx(y, rel=1e-4)
     # Validation counts are summed over both ranks' shards: the same accuracy as one process.
     assert s_ddp["metrics"]["top1"] == pytest.approx(s_one["metrics"]["top1"], abs=0.1)
-    assert len(checkpoint.list_checkpoints(ddp)) == 1  # rank 0 alone writes
+    assert len(checkpoint.list_checkpoints(ddp)) == 1
+    # Rank 0 alone writes: every call to save_atomic came from rank 0.
+    callers = [line.split()[0] for line in writes.read_text().splitlines()]
+    assert callers and set(callers) == {"0"}, callers
 
 
 def test_adaptive_scales_agree_across_ranks(tmp_path):
     """Per-layer scales come from each rank's own gradients; they are reduced to one value per
     layer, or the all-reduced gradients would mix scales and the curve would leave the reference."""
     ddp, single = tmp_path / "ddp", tmp_path / "single"
-    common = [*DIGITS, "loss_scale=adaptive", "trainer.max_steps=4"]
+    # init_scale=1: the per-layer scales do the lifting (with auto the output scale takes accum_cap).
+    common = [*DIGITS, "loss_scale=adaptive", "loss_scale.init_scale=1", "trainer.max_steps=4"]
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
          *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
@@ -71,6 +105,60 @@ def test_adaptive_scales_agree_across_ranks(tmp_path):
     a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
     for (_, x), (_, y) in zip(a, b, strict=True):
         assert x == pytest.approx(y, rel=1e-4)
+
+
+# Rank 1 alone gets an Inf in its loss on its 3rd forward; every rank records its scaler's decision.
+SKIP_HOOK = """
+import os
+if os.environ.get("RANK") is not None and os.environ.get("MPTRAIN_TEST_SKIPS"):
+    import mptrain.loss_scaling as _ls
+    import mptrain.tasks.classification as _cls
+
+    _loss, _update, _calls = _cls.ClassificationTask.loss, _ls.DynamicScaler.update, [0]
+
+    def _loss_with_inf(self, objective, batch):
+        loss, extra = _loss(self, objective, batch)
+        _calls[0] += 1
+        if os.environ["RANK"] == "1" and _calls[0] == 3:
+            loss = loss * float("inf")
+        return loss, extra
+
+    def _recording_update(self):
+        _update(self)
+        with open(os.environ["MPTRAIN_TEST_SKIPS"], "a") as f:
+            f.write(f"{os.environ['RANK']} {float(self.found_inf)} {float(self.scale_value)}\\n")
+
+    _cls.ClassificationTask.loss = _loss_with_inf
+    _ls.DynamicScaler.update = _recording_update
+"""
+
+
+def test_ranks_make_the_same_skip_decision_under_amp_fp16(tmp_path):
+    """An Inf on one rank only: the gradients are all-reduced before the Inf/NaN check, so both
+    ranks skip the same step and back off to the same scale."""
+    hook_dir = tmp_path / "hook"
+    hook_dir.mkdir()
+    (hook_dir / "sitecustomize.py").write_text(SKIP_HOOK)
+    log = tmp_path / "skips.log"
+    e = env()
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook_dir), e.get("PYTHONPATH")) if p)
+    e["MPTRAIN_TEST_SKIPS"] = str(log)
+    run = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
+         *DIGITS, "trainer.max_steps=4", "data.batch_size=4", "precision=amp_fp16", "loss_scale=dynamic",
+         "loss_scale.init_scale=1024", "data.max_val_batches=1", f"hydra.run.dir={run}"],
+        capture_output=True, text=True, env=e, timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    per_rank: dict[str, list[tuple[float, float]]] = {}
+    for line in log.read_text().splitlines():
+        rank, found_inf, scale = line.split()
+        per_rank.setdefault(rank, []).append((float(found_inf), float(scale)))
+    expected = [(0.0, 1024.0), (0.0, 1024.0), (1.0, 512.0), (0.0, 512.0)]  # step 3 skipped, backed off
+    assert per_rank == {"0": expected, "1": expected}
+    s = json.loads((run / "summary.json").read_text())
+    assert s["skipped_steps"] == 1 and s["final_loss_scale"] == 512.0
 
 
 def _agree_worker(rank: int, init_file: str, out: str) -> None:
@@ -139,3 +227,57 @@ def test_signal_checkpoints_and_the_resumed_run_continues_the_curve(tmp_path, si
     reference = dict(scalars(full)["train/loss"])
     for step in range(1, total + 1):
         assert continued[step] == reference[step], step
+
+
+class _TrainJob:
+    """What hydra-submitit-launcher submits, reduced to its contract: a callable with a
+    ``checkpoint`` method (submitit.helpers.Checkpointable) that resubmits itself on preemption."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.args = args
+
+    def __call__(self) -> dict:
+        from mptrain.cli import main
+
+        run = Path(self.args[-1].split("=", 1)[1])
+        with open(run.parent / "task.pids", "a") as f:  # the test signals this process, as submitit does
+            f.write(f"{os.getpid()}\n")
+        main(self.args)
+        return json.loads((run / "summary.json").read_text())
+
+    def checkpoint(self) -> object:
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(_TrainJob(self.args))
+
+
+def test_submitit_preemption_requeues_and_the_job_resumes(tmp_path, monkeypatch):
+    """The task gets submitit's preemption signal (SIGUSR2, what the local controller forwards to its
+    tasks): mptrain checkpoints at the step boundary and hands the signal to submitit's handler,
+    which calls ``checkpoint`` and requeues (exit code 144, the controller restarts the task); the
+    requeued job resumes from the checkpoint (trainer.resume=auto) and completes."""
+    submitit = pytest.importorskip("submitit")
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    run = tmp_path / "run"
+    args = ["model=resnet50", *TINY, "model.width_divisor=8", "data.image_size=32", "trainer.log_every=1",
+            "trainer.max_steps=100", f"hydra.run.dir={run}"]
+    executor = submitit.LocalExecutor(folder=tmp_path / "submitit")
+    executor.update_parameters(timeout_min=10)
+    job = executor.submit(_TrainJob(args))
+    end = time.time() + 120
+    while not ((run / "train.log").exists() and "step 3 " in (run / "train.log").read_text()):
+        assert time.time() < end and not job.done(), job.stderr()
+        time.sleep(0.2)
+    first_pid = int((tmp_path / "task.pids").read_text().split()[0])
+    os.kill(first_pid, signal.SIGUSR2)
+    summary = job.result()
+    pids = (tmp_path / "task.pids").read_text().split()
+    assert len(pids) == 2 and pids[0] != pids[1]  # requeued: a second task process ran the job
+    assert summary["status"] == "completed" and summary["steps"] == 100
+    assert summary["resumed_from"] and Path(summary["resumed_from"]).name.startswith("step_")
+    logs = (job.stderr() or "") + (job.stdout() or "")
+    assert "mptrain: interrupted" in logs and "Calling checkpoint method" in logs and "Requeued job" in logs
+    stopped = int(Path(summary["resumed_from"]).stem.split("_")[1])
+    assert 3 <= stopped < 100

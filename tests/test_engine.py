@@ -58,10 +58,20 @@ def test_summary_contract_and_tensorboard_tags(tmp_path):
     assert tags["train/loss"][-1][1] == pytest.approx(s["final_loss"])
     assert tags["train/loss_scale"][-1][1] == s["final_loss_scale"]
     assert tags["train/skipped_steps"][-1][1] == s["skipped_steps"]
-    # The HParams record carries the run's choices.
+    # The HParams plugin's own record (what TensorBoard's HParams tab reads) carries the run's choices.
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert any(t == "hparam/val/top1" for t in acc.Tags()["scalars"])
+    content = acc.PluginTagToContent("hparams")
+    records = [plugin_data_pb2.HParamsPluginData.FromString(c) for c in content.values()]
+    start = [r.session_start_info for r in records if r.HasField("session_start_info")]
+    assert len(start) == 1
+    hp = {k: v.ListFields()[0][1] for k, v in start[0].hparams.items()}
+    assert hp["model"] == "resnet50" and hp["precision"] == "amp_fp16" and hp["loss_scale"] == "dynamic"
+    assert hp["batch_size"] == 4
+    experiment = [r.experiment for r in records if r.HasField("experiment")]
+    assert {m.name.tag for m in experiment[0].metric_infos} >= {"hparam/val/top1", "hparam/train/final_loss"}
 
 
 def _mixed_on_this_cpu() -> str:
@@ -188,3 +198,38 @@ def test_resume_continues_the_loss_scale_trajectory(tmp_path):
     b = dict(scalars(resumed)["train/loss_scale"])
     assert len(set(a.values())) > 1  # the scale really moved (grew every 2 clean steps)
     assert [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(checkpoint.list_checkpoints(run_dir)[-1], weights_only=True)
+    return {k: v for k, v in state["modules"]["model"].items() if v.is_floating_point()}
+
+
+# AlexNet without dropout has no batch norm and no randomness in the step: the update is a function
+# of the batch alone. FP32 and a constant LR, so the comparison is of the arithmetic.
+EXACT = [*tiny("alexnet"), "data=digits", "data.augment=false", "model.dropout=0", "precision=fp32",
+         "sched=constant", "optim.lr=0.05",
+         "optim.weight_decay=0", "data.max_val_batches=1"]
+
+
+def test_grad_accum_k_at_batch_b_equals_one_step_at_batch_kb(tmp_path):
+    run_job(tmp_path / "accum", *EXACT, "data.batch_size=4", "trainer.grad_accum=2", "trainer.max_steps=1")
+    run_job(tmp_path / "big", *EXACT, "data.batch_size=8", "trainer.grad_accum=1", "trainer.max_steps=1")
+    run_job(tmp_path / "small", *EXACT, "data.batch_size=4", "trainer.grad_accum=1", "trainer.max_steps=1")
+    accum, big, small = (_final_weights(tmp_path / n) for n in ("accum", "big", "small"))
+    for k in big:
+        torch.testing.assert_close(accum[k], big[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert any(not torch.allclose(small[k], big[k], rtol=1e-3, atol=1e-5) for k in big)  # the test can tell
+
+
+def test_clipping_sees_unscaled_gradients(tmp_path):
+    # A loss scale of 2^16 is exact in FP32: if clipping saw scaled gradients (norm 2^16 times too
+    # large), the clipped update would differ from the unscaled FP32 run's.
+    clip = ["trainer.grad_clip=0.01", "trainer.max_steps=1"]
+    run_job(tmp_path / "scaled", *EXACT, *clip, "loss_scale=static", "loss_scale.scale=65536")
+    run_job(tmp_path / "fp32", *EXACT, *clip, "loss_scale=none")
+    run_job(tmp_path / "unclipped", *EXACT, "trainer.max_steps=1", "loss_scale=none")
+    scaled, fp32, unclipped = (_final_weights(tmp_path / n) for n in ("scaled", "fp32", "unclipped"))
+    for k in fp32:
+        torch.testing.assert_close(scaled[k], fp32[k], rtol=1e-6, atol=1e-7, msg=k)
+    assert any(not torch.allclose(unclipped[k], fp32[k]) for k in fp32)  # clipping did bite

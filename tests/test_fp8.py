@@ -70,14 +70,52 @@ def test_format_constants() -> None:
     assert fp8.as_format(torch.float16) is FP16 and fp8.as_format(torch.float8_e4m3fn) is E4M3
 
 
+# The formats from their definitions (sign, exponent bias 2^(E-1)-1, implicit leading 1, subnormals
+# at the lowest exponent), not from torch: (exponent bits, mantissa bits, "fn" = no Inf, the all-ones
+# pattern is NaN, as E4M3fn).
+SPECS = {"e5m2": (5, 2, False), "e4m3fn": (4, 3, True)}
+
+
+def enumerated_grid(fmt: Fp8Format) -> torch.Tensor:
+    """Every non-negative finite value of the format, in float64, enumerated from its definition."""
+    e_bits, m_bits, fn = SPECS[fmt.name]
+    bias = 2 ** (e_bits - 1) - 1
+    values = [m / 2**m_bits * 2.0 ** (1 - bias) for m in range(2**m_bits)]  # zero and subnormals
+    top = 2**e_bits - 1 if fn else 2**e_bits - 2  # IEEE-like formats reserve the top exponent
+    for e in range(1, top + 1):
+        for m in range(2**m_bits):
+            if fn and e == top and m == 2**m_bits - 1:
+                continue  # E4M3fn's only NaN pattern
+            values.append((1 + m / 2**m_bits) * 2.0 ** (e - bias))
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def reference_rne(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Round to nearest on the enumerated grid, ties to the even pattern, saturating at max.
+
+    In the sorted non-negative grid consecutive values differ by one in their bit pattern, so
+    "even mantissa" is "even index"."""
+    g = enumerated_grid(fmt)
+    a = x.double().abs().clamp(max=g[-1].item())
+    hi_i = torch.searchsorted(g, a).clamp(max=len(g) - 1)
+    lo_i = (hi_i - 1).clamp(min=0)
+    lo, hi = g[lo_i], g[hi_i]
+    d_lo, d_hi = a - lo, hi - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (hi_i % 2 == 0))
+    return torch.copysign(torch.where(pick_hi, hi, lo), x.double()).float()
+
+
 @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
-def test_quantize_matches_native_cast(fmt: Fp8Format) -> None:
+def test_quantize_matches_the_enumerated_grid(fmt: Fp8Format) -> None:
+    g = enumerated_grid(fmt)
+    assert g[-1].item() == fmt.max and g[1].item() == fmt.min_subnormal
+    assert torch.equal(g.float(), grid(fmt)[grid(fmt) >= 0])  # same grid as torch's decoding of the bits
     gen = torch.Generator().manual_seed(0)
-    g = grid(fmt)
-    midpoints = (g[1:] + g[:-1]) / 2  # ties: round-half-to-even must agree too
-    x = torch.cat([wide_range(fmt, 200_000, gen), g, midpoints, torch.tensor([0.0, -0.0])])
+    pos = g.float()
+    midpoints = (pos[1:] + pos[:-1]) / 2  # ties: round-half-to-even
+    x = torch.cat([wide_range(fmt, 200_000, gen), pos, -pos, midpoints, -midpoints, torch.tensor([fmt.max * 1.5])])
     q = quantize(x, fmt)
-    assert torch.equal(q, x.to(fmt.dtype).float())
+    assert torch.equal(q, reference_rne(x, fmt))
     assert representable(q, fmt)
     assert q.dtype == x.dtype
     # subnormals are really exercised
@@ -243,14 +281,16 @@ def test_convert_records_layers_and_keeps_state_dict() -> None:
         assert param.grad.abs().sum() > 0, name
 
 
-def _reference_output(layer: nn.Module, x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def _reference_output(layer: nn.Module, x: torch.Tensor, fmt: Fp8Format, scaling: str) -> torch.Tensor:
     """The original fp32 layer applied to quantized weights and inputs (bias unquantized)."""
+    q = quantize_scaled if scaling == "tensor" else quantize
     ref = copy.deepcopy(layer)
     with torch.no_grad():
-        ref.weight.copy_(quantize_scaled(layer.weight, fmt))
-    return ref(quantize_scaled(x, fmt))
+        ref.weight.copy_(q(layer.weight, fmt))
+    return ref(q(x, fmt))
 
 
+@pytest.mark.parametrize("scaling", ["loss", "tensor"])
 @pytest.mark.parametrize(("fmt_name", "fmt"), [("e5m2", E5M2), ("hybrid", E4M3)])
 @pytest.mark.parametrize(
     "make",
@@ -261,14 +301,14 @@ def _reference_output(layer: nn.Module, x: torch.Tensor, fmt: Fp8Format) -> torc
     ],
     ids=["linear", "conv", "convT"],
 )
-def test_forward_equals_fp32_on_quantized_operands(fmt_name: str, fmt: Fp8Format, make) -> None:
+def test_forward_equals_fp32_on_quantized_operands(fmt_name: str, fmt: Fp8Format, make, scaling: str) -> None:
     torch.manual_seed(1)
     layer = make()
-    p = make_precision(format=fmt_name, master_weights="fp32")
-    model = fp8.convert_model(nn.Sequential(copy.deepcopy(layer)), p)
+    p = make_precision(format=fmt_name, master_weights="fp32", scaling=scaling)
+    model = p.prepare_model(nn.Sequential(copy.deepcopy(layer)))
     x = torch.randn(2, 12) * 5 if isinstance(layer, nn.Linear) else torch.randn(2, 3, 6, 6) * 5
     with torch.no_grad():
-        expected = _reference_output(layer, x, fmt)
+        expected = _reference_output(layer, x, fmt, scaling)
         got = model(x)
         unquantized = layer(x)
     assert torch.equal(got, expected)
@@ -278,8 +318,8 @@ def test_forward_equals_fp32_on_quantized_operands(fmt_name: str, fmt: Fp8Format
 def test_bf16_compute() -> None:
     torch.manual_seed(2)
     layer = nn.Linear(16, 8)
-    model = fp8.convert_model(
-        nn.Sequential(copy.deepcopy(layer)), make_precision(emulated_compute="bf16", master_weights="fp32")
+    model = make_precision(emulated_compute="bf16", master_weights="fp32", scaling="tensor").prepare_model(
+        nn.Sequential(copy.deepcopy(layer))
     )
     x = torch.randn(4, 16)
     y = model(x)
@@ -290,14 +330,14 @@ def test_bf16_compute() -> None:
 
 
 @pytest.mark.parametrize("stochastic", [False, True])
-def test_backward_quantizes_error_and_weight_grad(stochastic: bool) -> None:
+def test_backward_quantizes_error_and_weight_grad_per_tensor(stochastic: bool) -> None:
     torch.manual_seed(3)
     layer = nn.Linear(16, 16)
     with torch.no_grad():  # identity weight (exact in FP8): grad wrt input == quantized error
         layer.weight.copy_(torch.eye(16))
         layer.bias.zero_()
-    p = make_precision(master_weights="fp32", stochastic_rounding=stochastic)
-    model = fp8.convert_model(nn.Sequential(layer), p)
+    p = make_precision(master_weights="fp32", stochastic_rounding=stochastic, scaling="tensor")
+    model = p.prepare_model(nn.Sequential(layer))
     x = torch.randn(32, 16, requires_grad=True)
     gy = torch.randn(32, 16) * 1e-3
     model(x).backward(gy)
@@ -346,7 +386,7 @@ def test_training_reduces_loss_with_fp16_masters() -> None:
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_after_step_rounds_to_fp16(stochastic: bool) -> None:
     p = make_precision(stochastic_rounding=stochastic)
-    model = fp8.convert_model(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), p)
+    model = p.prepare_model(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
     assert all(representable(q.detach(), FP16) for q in model.parameters())  # from the start
     with torch.no_grad():
         for q in model.parameters():
@@ -385,14 +425,14 @@ def test_build_precision_torchao_on_cpu_is_a_clean_error() -> None:
 def test_torchao_no_eligible_linear() -> None:
     msg = r"no Linear layer has in/out features divisible by 16 \(found 0: 10x3\)"
     with pytest.raises(MptrainError, match=msg):
-        fp8.convert_model(nn.Sequential(nn.Linear(10, 3)), _torchao_precision())
+        _torchao_precision().prepare_model(nn.Sequential(nn.Linear(10, 3)))
 
 
 def test_torchao_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao", None)  # makes the import fail
     monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(MptrainError, match="needs the torchao package"):
-        fp8.convert_model(nn.Sequential(nn.Linear(32, 16)), _torchao_precision())
+        _torchao_precision().prepare_model(nn.Sequential(nn.Linear(32, 16)))
 
 
 def test_torchao_call_with_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,9 +459,22 @@ def test_torchao_call_with_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     p = _torchao_precision()
-    fp8.convert_model(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10)), p)
+    p.prepare_model(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10)))
     assert calls["config"] == "config:rowwise"
     assert p.fp8_state.backend == "torchao" and p.fp8_state.converted == ["0"]
+
+
+def test_torchao_real_conversion_on_cpu() -> None:
+    """Module conversion needs no GPU: the real torchao (the [fp8] extra), when installed."""
+    float8 = pytest.importorskip("torchao.float8")
+    from torchao.float8.float8_linear import Float8Linear
+
+    p = _torchao_precision()
+    model = p.prepare_model(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10), nn.Linear(10, 16)))
+    assert p.fp8_state is not None and p.fp8_state.backend == "torchao"
+    assert p.fp8_state.converted == ["0"]  # 16x10 and 10x16 are not divisible by 16: left alone
+    assert type(model[0]) is Float8Linear and type(model[2]) is nn.Linear and type(model[3]) is nn.Linear
+    assert float8.Float8LinearConfig.from_recipe_name("rowwise") == model[0].config
 
 
 @pytest.mark.cuda
@@ -440,6 +493,94 @@ def test_torchao_real() -> None:
 def test_emulated_layer_output_can_be_modified_in_place() -> None:
     """conv -> ReLU(inplace=True), as in VGG and AlexNet."""
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
-    model = fp8.convert_model(model, make_precision())
+    model = make_precision().prepare_model(model)
     model(torch.randn(2, 3, 8, 8)).sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------------------------
+# the two recipes: Mellempudi et al.'s (the loss scale does the range work) and per-tensor scaling
+
+
+def _unscaled_update(scaling: str, loss_scale: float, stochastic: bool = False) -> tuple[list[torch.Tensor], float]:
+    """One SGD step of a small FP8 model through a static loss scaler: (updated weights, found_inf)."""
+    from mptrain.loss_scaling import StaticScaler
+
+    torch.manual_seed(5)
+    base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
+    p = make_precision(scaling=scaling, master_weights="fp32", stochastic_rounding=stochastic)
+    model = p.prepare_model(base)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = StaticScaler(torch.device("cpu"), loss_scale)
+    torch.manual_seed(6)  # the same stochastic-rounding draws for every loss scale
+    # A loss whose gradients sit near E5M2's subnormals (2^-16), as a mean over a large batch does.
+    scaler.scale(F.cross_entropy(model(x), y) * 2.0**-12).backward()
+    scaler.unscale_(opt)
+    grads = [q.grad.clone() for q in model.parameters()]
+    scaler.step(opt)
+    return grads + [q.detach().clone() for q in model.parameters()], float(scaler.found_inf)
+
+
+def _zero_frac(ts: list[torch.Tensor]) -> float:
+    return sum((t == 0).sum().item() for t in ts) / sum(t.numel() for t in ts)
+
+
+def test_paper_recipe_the_loss_scale_decides_underflow_and_the_update() -> None:
+    small, _ = _unscaled_update("loss", 1.0)
+    big, _ = _unscaled_update("loss", 2.0**10)
+    grads_small, grads_big = small[:4], big[:4]
+    # Without per-tensor scales most gradients underflow E5M2 at scale 1; 2^10 lifts them.
+    assert _zero_frac(grads_small) > 0.5
+    assert _zero_frac(grads_big) < 0.5 * _zero_frac(grads_small)
+    assert any(not torch.equal(a, b) for a, b in zip(small[4:], big[4:], strict=True))  # the update differs
+    # No rescaling: the scaled weight gradient itself lies on E5M2's grid (the format's own values).
+    for g in grads_big[0::2]:
+        assert representable(g * 2.0**10, E5M2)
+
+
+def test_paper_recipe_overflow_reaches_the_loss_scaler() -> None:
+    # Past E5M2's max the error becomes Inf instead of saturating: the scaler skips the step.
+    before, _ = _unscaled_update("loss", 2.0**10)
+    after, found_inf = _unscaled_update("loss", 2.0**40)
+    assert found_inf == 1.0
+    torch.manual_seed(5)
+    init = [q.detach() for q in nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).parameters()]
+    for w, w0 in zip(after[4:], init, strict=True):  # skipped: weights unchanged (FP32 masters)
+        assert torch.equal(w, w0)
+    assert not torch.equal(before[4], init[0])
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_per_tensor_recipe_the_loss_scale_changes_nothing(stochastic: bool) -> None:
+    # E5M2 rounding is invariant under power-of-two rescaling: the unscaled gradients and the update
+    # are bit-identical whatever the loss scale (the review tried 2^-20 .. 2^40).
+    ref, _ = _unscaled_update("tensor", 1.0, stochastic)
+    for scale in (2.0**-20, 2.0**16, 2.0**40):
+        got, found_inf = _unscaled_update("tensor", scale, stochastic)
+        assert found_inf == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), scale
+
+
+def test_every_network_of_a_task_gets_the_recipe() -> None:
+    """A GAN converts two networks: both are rounded to FP16 after a step and both are listed."""
+
+    class Generator(nn.Sequential):
+        pass
+
+    class Discriminator(nn.Sequential):
+        pass
+
+    p = make_precision(stochastic_rounding=False)
+    gen = p.prepare_model(Generator(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
+    disc = p.prepare_model(Discriminator(nn.Linear(8, 4), nn.Linear(4, 1)))
+    nets = [gen, disc]
+    with torch.no_grad():
+        for q in (q for net in nets for q in net.parameters()):
+            q.add_(torch.randn_like(q) * 1e-3)
+    p.after_step()
+    for net in nets:
+        assert all(representable(q.detach(), FP16) for q in net.parameters()), type(net).__name__
+    layers = p.describe()["fp8_layers"]
+    assert layers["converted"] == ["Generator.0", "Generator.2", "Discriminator.0", "Discriminator.1"]
+    assert layers["networks"] == {"Generator": ["0", "2"], "Discriminator": ["0", "1"]}

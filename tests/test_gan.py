@@ -142,3 +142,18 @@ def test_unsupported_combinations_fail_with_one_line_before_training(overrides, 
     with pytest.raises(MptrainError, match=message) as info:
         validate(compose([*TINY_GAN, *overrides]))
     assert "\n" not in str(info.value)
+
+
+def test_fp8_converts_both_networks_and_rounds_both_to_fp16(tmp_path):
+    """Every network of the task gets the FP8 recipe: both are listed, and after training both the
+    generator's and the discriminator's weights lie on the FP16 grid (FP16 master weights)."""
+    s = run_job(tmp_path, *TINY_GAN, "precision=fp8", "trainer.max_steps=2")
+    assert s["status"] == "completed"
+    nets = s["precision_detail"]["fp8_layers"]["networks"]
+    assert len(nets) == 2 and all(nets.values()), nets
+    state = torch.load(checkpoint.list_checkpoints(tmp_path)[-1], weights_only=True)
+    assert len(state["modules"]) == 2
+    for name, module_state in state["modules"].items():
+        for key, t in module_state.items():
+            if t.is_floating_point() and "running" not in key:
+                assert torch.equal(t.half().float(), t.float()), (name, key)

@@ -15,9 +15,8 @@ from mptrain.loss_scaling import (
     EnhancedScaler,
     NoScaler,
     StaticScaler,
-    build_scaler,
-    resolve_policy,
 )
+from mptrain.scalers import build_scaler, resolve_policy
 
 CPU = torch.device("cpu")
 
@@ -106,18 +105,59 @@ def test_dynamic_full_defaults_match_gradscaler_long_run():
     assert ref[2099] == 2.0**17  # it grew once after 2000 clean steps
 
 
-def test_dynamic_hysteresis_delays_backoff():
-    scaler = DynamicScaler(CPU, init_scale=64.0, growth_interval=100, hysteresis=3)
-    scales, infs, _ = drive(scaler, [True, True, True, True, False, True])
-    # Two overflows are tolerated, the third backs off (budget refills), the fourth is tolerated.
-    assert scales == [64.0, 64.0, 32.0, 32.0, 32.0, 32.0]
-    assert infs == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+def deepspeed_reference(overflows: list[bool], init_scale: float, scale_window: int, delayed_shift: int,
+                        consecutive_hysteresis: bool = False) -> list[float]:
+    """DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py), its rule
+    restated without the min-scale error, as the independent reference for hysteresis."""
+    cur_scale, last_overflow_iter, cur_hysteresis = init_scale, -1, delayed_shift
+    out = []
+    for cur_iter, overflow in enumerate(overflows):
+        if overflow:
+            if delayed_shift == 1 or cur_hysteresis == 1:
+                cur_scale /= 2.0
+            else:
+                cur_hysteresis -= 1
+            last_overflow_iter = cur_iter
+        else:
+            if consecutive_hysteresis:
+                cur_hysteresis = delayed_shift
+            if (cur_iter - last_overflow_iter) % scale_window == 0:
+                if not consecutive_hysteresis:
+                    cur_hysteresis = delayed_shift
+                cur_scale *= 2.0
+        out.append(cur_scale)
+    return out
 
 
-def test_dynamic_consecutive_hysteresis_refills_after_clean_step():
-    scaler = DynamicScaler(CPU, init_scale=64.0, growth_interval=100, hysteresis=2, consecutive_hysteresis=True)
-    scales, _, _ = drive(scaler, [True, False, True, False, True, True])
-    assert scales == [64.0, 64.0, 64.0, 64.0, 64.0, 32.0]
+def test_hysteresis_storm_follows_deepspeed():
+    # The review's case: hysteresis 2, eight overflows in a row. DeepSpeed spends the budget once,
+    # then halves on every further overflow: 65536, 32768, 16384, ..., 512.
+    storm = [True] * 8
+    ref = deepspeed_reference(storm, 2.0**16, 2000, 2)
+    assert ref == [2.0**16 / 2**k for k in range(8)]
+    ours, infs, _ = drive(DynamicScaler(CPU, init_scale=2.0**16, hysteresis=2), storm)
+    assert ours == ref
+    assert infs == [1.0] * 8
+
+
+@pytest.mark.parametrize("hysteresis", [2, 3])
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        [True, True, True, True, False, True],
+        [True, False, True, False, True, True, True],
+        [True, True] + [False] * 7 + [True, True, True, False, False, False, False, True, True, True],
+        [False] * 3 + [True] * 5 + [False] * 4 + [True, False, True, True],
+    ],
+)
+def test_hysteresis_matches_deepspeed(pattern, hysteresis, consecutive):
+    # growth_interval 4: the patterns cross growth events, which refill the budget in DeepSpeed.
+    ref = deepspeed_reference(pattern, 64.0, 4, hysteresis, consecutive)
+    scaler = DynamicScaler(CPU, init_scale=64.0, growth_interval=4, hysteresis=hysteresis,
+                           consecutive_hysteresis=consecutive)
+    ours, _, _ = drive(scaler, pattern)
+    assert ours == ref
 
 
 def test_dynamic_floor_clamps_and_cap_limits():
@@ -174,3 +214,20 @@ def test_build_from_config():
                             "min_scale": None, "on_min_scale": "clamp", "max_scale": None})
     scaler = build_scaler(cfg, "dynamic", CPU)
     assert isinstance(scaler, DynamicScaler) and scaler.hysteresis == 2 and float(scaler.scale_value) == 8.0
+
+
+def test_auto_on_fp8_uses_enhanced_with_its_rising_floor():
+    from mptrain.cli import compose
+
+    auto = build_scaler(OmegaConf.create({"name": "auto"}), resolve_policy("auto", "fp8", "emulated"), CPU)
+    cfg = compose(["precision=fp8", "loss_scale=enhanced"])
+    enhanced = build_scaler(cfg.loss_scale, "enhanced", CPU)
+    assert isinstance(auto, EnhancedScaler) and isinstance(enhanced, EnhancedScaler)
+    assert auto.schedule == enhanced.schedule and len(auto.schedule) > 1  # the yaml's schedule
+    assert float(auto.scale_value) == float(enhanced.scale_value)
+    assert auto.growth_interval == enhanced.growth_interval
+    floors = []
+    for step in (0, 999, 1000, 4999, 5000):
+        auto.steps_done = step
+        floors.append(auto.current_floor())
+    assert floors == [1.0, 1.0, 64.0, 64.0, 512.0]  # it rises: not a constant floor of 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -81,21 +83,40 @@ def test_stochastic_rounding_to_bf16_is_unbiased():
     assert x.to(torch.bfloat16).float().mean().item() == 1.0  # nearest rounding is biased
 
 
-def test_bf16_pure_with_stochastic_rounding_moves_weights_nearest_would_not():
-    p = prec("bf16_pure", stochastic_rounding=True)
-    lin = p.prepare_model(nn.Linear(1, 1, bias=False))
+def _bf16_pure_walk(stochastic: bool, seed: int, steps: int = 1000, n: int = 4096) -> torch.Tensor:
+    """n bf16_pure weights at 1.0, each given ``steps`` SGD updates of -1e-4 (a quarter of bf16's
+    spacing below 1, 2^-8 = 0.0039, is 1e-3: every single update is far below half an ulp)."""
+    p = prec("bf16_pure", stochastic_rounding=stochastic)
+    lin = p.prepare_model(nn.Linear(n, 1, bias=False))
     lin.weight.data.fill_(1.0)
     assert lin.weight.dtype == torch.bfloat16
     groups, master = p.master_weights([{"params": [lin.weight]}])
     opt = torch.optim.SGD(groups, lr=1.0)
-    torch.manual_seed(0)
-    for _ in range(2000):
+    torch.manual_seed(seed)
+    for _ in range(steps):
         lin.weight.grad = torch.full_like(lin.weight, 1e-4)
         master.before_unscale()
         opt.step()
         master.after_step()
-    # Expected 1 - 0.2 = 0.8; with round-to-nearest each 1e-4 update is lost and it stays at 1.0.
-    assert lin.weight.float().item() == pytest.approx(0.8, abs=0.03)
+    return lin.weight.detach().float().flatten()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bf16_pure_with_stochastic_rounding_moves_weights_nearest_would_not(seed):
+    w = _bf16_pure_walk(True, seed)
+    # Unbiased: the mean of 4096 independent walks is 1 - 1000 * 1e-4 = 0.9 (std of the mean ~3e-4).
+    assert w.mean().item() == pytest.approx(0.9, abs=2e-3)
+    # No FP32 information survives between steps (the masters are re-read from the bf16 weights):
+    # each weight is a random walk of 1000 stochastic roundings, whose spread is the theory's
+    # sqrt(steps * p * (1 - p)) * ulp with p = 1e-4 / 2^-8. FP32 masters that persisted would give
+    # every weight ~0.9 within one ulp (spread < 0.003).
+    ulp = 2.0**-8
+    p_up = 1e-4 / ulp
+    expected = math.sqrt(1000 * p_up * (1 - p_up)) * ulp
+    assert w.std().item() == pytest.approx(expected, rel=0.15)
+    # With round-to-nearest every update is lost: the weights stay at 1.0.
+    if seed == 0:
+        assert torch.equal(_bf16_pure_walk(False, seed, steps=50), torch.ones(4096))
 
 
 def test_unknown_mode_is_rejected():

@@ -3,6 +3,7 @@ FP32 shadow pass, the histogram and the end-of-run report."""
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -592,3 +593,46 @@ def test_report_table_and_overflow_flag() -> None:
     console.print(tel.table(report))
     text = console.export_text()
     assert "overflow" in text and "suggested static loss scale for fp16" in text
+
+
+def test_adaptive_gradients_are_unscaled_by_each_layers_own_scale() -> None:
+    """Adaptive scaling gives every layer its own cumulative scale (up to accum_cap): the 'true'
+    statistics must divide each layer by its own, not by the loss-level init_scale. Reference: the
+    same step in FP32 without scaling (powers of two: the comparison is exact)."""
+    from mptrain.adaptive_scaling import AdaptiveScaler
+
+    prec = precision("fp32")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    mult = 2.0**-20  # small gradients: the per-layer scales grow towards the top of the chain
+
+    ref_act: dict[int, float] = {}
+
+    def watch(i: int) -> Any:
+        def hook(_m: nn.Module, _inp: Any, out: Tensor) -> None:
+            out.register_hook(lambda g: ref_act.__setitem__(i, g.abs().max().item()))
+
+        return hook
+
+    for i in (0, 2, 4):
+        ref[i].register_forward_hook(watch(i))
+    (ref(x).square().mean() * mult).backward()
+
+    scaler = AdaptiveScaler(CPU, init_scale=1.0)
+    scaler.attach(model)
+    tel = GradientTelemetry(tcfg(), model, prec, scaler)
+    tel.active(1)
+    with tel.capture(1):
+        scaler.scale(model(x).square().mean() * mult).backward()
+    tel.record_weight_grads()
+    report = tel.report()
+    tel.close()
+    cum = scaler.telemetry()["cum_scale"].tolist()
+    assert len(set(cum)) > 1 and max(cum) > 1  # the layers really carry different scales
+    rows = {(r["layer"], r["kind"]): r for r in report["layers"]}
+    for i in (0, 2, 4):
+        true_w = math.log2(max(ref[i].weight.grad.abs().max().item(), ref[i].bias.grad.abs().max().item()))
+        assert rows[str(i), "weight_grad"]["true_log2_amax"] == pytest.approx(true_w, abs=1e-6), i
+        assert rows[str(i), "act_grad"]["true_log2_amax"] == pytest.approx(math.log2(ref_act[i]), abs=1e-6), i
