@@ -36,10 +36,12 @@ cuda_only = pytest.mark.skipif(not CUDA, reason="checks a CUDA-only behaviour")
 PRECISIONS = ["fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8"]
 POLICIES = ["none", "auto", "static", "dynamic", "enhanced", "adaptive"]
 
-# A 1/8-width ResNet-50 on 4 learnable synthetic classes: the loss falls within a dozen steps.
-SMALL = ["model=resnet50", "model.width_divisor=8", "data.image_size=32", "data.batch_size=16", "data.num_classes=4",
-         "data.train_samples=128", "data.val_samples=16", "data.num_workers=0", "trainer.log_every=1",
-         "sched=constant", "optim.lr=0.05", f"trainer.device={DEVICE}"]
+# A 1/8-width ResNet-50 on 4 learnable synthetic classes. At batch 64 and lr 0.02 the training loss
+# falls from ln 4 to near 0 within 30 steps in fp32 and in emulated FP8 (tried on the CPU); at batch
+# 16 the per-batch noise hides the trend for 16 steps and more.
+SMALL = ["model=resnet50", "model.width_divisor=8", "data.image_size=32", "data.batch_size=64", "data.num_classes=4",
+         "data.train_samples=512", "data.val_samples=16", "data.num_workers=0", "trainer.log_every=1",
+         "sched=constant", "optim.lr=0.02", f"trainer.device={DEVICE}"]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -54,11 +56,11 @@ def falls(values: list[float], k: int = 4) -> bool:
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_every_precision_and_policy_trains(tmp_path, precision, policy):
-    s = run_job(tmp_path, *SMALL, f"precision={precision}", f"loss_scale={policy}", "trainer.max_steps=16")
+    s = run_job(tmp_path, *SMALL, f"precision={precision}", f"loss_scale={policy}", "trainer.max_steps=30")
     assert s["status"] == "completed" and s["device"].startswith(DEVICE)
     if CUDA and precision == "mixed":
         assert s["precision_resolved"] == "amp_fp16"  # the paper's recipe on a GPU
-    assert falls(losses(tmp_path)), losses(tmp_path)
+    assert falls(losses(tmp_path), k=5), losses(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------
