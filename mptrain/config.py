@@ -85,7 +85,7 @@ class DataConfig:
     num_workers: int = 2
     image_size: int | None = None  # null: the model's size for the device
     num_classes: int | None = None  # synthetic: how many classes; real data: read from the data
-    train_samples: int = 3200  # synthetic: samples in one epoch
+    train_samples: int = 1600  # synthetic: samples in one epoch
     val_samples: int = 256  # synthetic: validation samples
     val_fraction: float = 0.2  # digits: held-out fraction
     augment: bool = True  # random crop / flip on real training images
