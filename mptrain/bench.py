@@ -47,10 +47,7 @@ import io
 import json
 import math
 import os
-import platform
 import pstats
-import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -58,7 +55,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from itertools import cycle
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,6 +65,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from mptrain.bench_common import device_name, stamp
+from mptrain.bench_common import slug as _slug
 from mptrain.errors import MptrainError
 
 if TYPE_CHECKING:
@@ -175,16 +173,6 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, dict):
         return sum(_nbytes(o) for o in obj.values())
     return 0
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
 
 
 def compute_dtype(precision: Any) -> str:
@@ -869,33 +857,6 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
 
 
 # ------------------------------------------------------------------------------------ output
-
-
-def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]:
-    from mptrain.engine import _versions
-
-    info: dict[str, Any] = {
-        "device": device.type,
-        "device_name": device_name(device),
-        "versions": _versions(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["mptrain-bench", *argv]),
-        "torch_threads": threads,
-        "cpu_count": os.cpu_count(),
-        "host": platform.node(),
-        "platform": platform.platform(),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info["cuda_capability"] = f"{props.major}.{props.minor}"
-        info["device_memory_bytes"] = props.total_memory
-    if hasattr(os, "getloadavg"):
-        info["load_average_start"] = [round(v, 2) for v in os.getloadavg()]
-    return info
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def _ms(v: float | None) -> str:
