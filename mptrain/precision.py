@@ -266,7 +266,7 @@ def _warn_if_emulated(p: Precision) -> None:
         log.warning(
             "precision=fp8: no CPU has FP8 arithmetic, so it is emulated: every converted layer rounds its weights, "
             "activations and gradients onto the FP8 grid and computes in %s%s. Expect it several times slower "
-            "than fp32 (ResNet-50/4: 4.8x on a 2-core AVX2 CPU, docs/benchmarks); use it to study FP8 numerics, "
+            "than fp32 (ResNet-50/4: 3.3x on a 2-core AVX2 CPU, docs/benchmarks); use it to study FP8 numerics, "
             "not for speed",
             compute, f" (itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
         )
