@@ -589,7 +589,6 @@ class GradientTelemetry:
         pieces: list[Tensor] = []
         for r in records:
             scale = r.scale if r.scale is not None else torch.ones((), device=self.precision.device)
-            pieces.append(scale.double().reshape(1))
             for (kind, i), acc in r.stats.items():
                 key_scale = r.layer_scales.get((kind.removesuffix("32"), i), scale)
                 pieces += [acc.hist.double(), acc.amax.double().reshape(1), key_scale.double().reshape(1)]
@@ -597,7 +596,6 @@ class GradientTelemetry:
         host = torch.cat([p.to(self.precision.device) for p in pieces]).cpu().numpy()
         pos = 0
         for r in records:
-            pos += 1  # the loss-level scale: each statistic carries its own below
             stats: dict[tuple[str, int], tuple[np.ndarray, float, int, float]] = {}
             for key, acc in r.stats.items():
                 stats[key] = (
