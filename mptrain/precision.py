@@ -102,7 +102,7 @@ class Precision:
     """How a run stores and computes numbers. Built by ``build_precision``; reads ``precision.*``."""
 
     requested: str  # the configured mode, e.g. "mixed"
-    resolved: str  # what runs on this device, e.g. "amp_bf16" for mixed on CPU
+    resolved: str  # what runs on this device, e.g. "fp32" for mixed on an AVX2-only CPU
     device: torch.device
     autocast_dtype: torch.dtype | None = None
     param_dtype: torch.dtype = torch.float32  # storage dtype of weights (batch norm stays FP32)
