@@ -1,0 +1,126 @@
+"""Verdicts on a paper's claim from paired runs: a 95% confidence interval, and what would decide it.
+
+A claim compares a treatment with a reference run on the same seed (same initial weights, same
+batch order), so the seed-to-seed spread that both share cancels in the difference. The interval
+is Student's t on those paired differences. Two kinds of claim:
+
+- ``equivalent``: the treatment matches the reference within ``margin`` (the papers' parity). It
+  holds when the whole interval lies inside ``[-margin, margin]``, and does not hold when the whole
+  interval lies outside it.
+- ``worse``: the treatment is worse than the reference by more than ``margin`` (FP16 without loss
+  scaling "loses accuracy"). It holds when the whole interval lies beyond ``margin`` on the worse
+  side, and does not hold when the whole interval lies on the better side of it.
+
+Anything else is ``inconclusive``, and :func:`seeds_to_decide` says how many seeds would decide it
+if the mean and the spread stayed as measured. Used by ``scripts/study.py``; no torch needed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Kind = Literal["equivalent", "worse"]
+HOLDS, FAILS, OPEN = "holds", "does not hold", "inconclusive"
+
+
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (scipy, which scikit-learn already brings in for data=digits)."""
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
+
+
+def paired_ci(diffs: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """``(mean, low, high)`` of the paired differences; the interval is nan for fewer than 2."""
+    n = len(diffs)
+    mean = statistics.fmean(diffs)
+    if n < 2:
+        return mean, math.nan, math.nan
+    half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(diffs) / math.sqrt(n)
+    return mean, mean - half, mean + half
+
+
+def decide(kind: Kind, low: float, high: float, margin: float, worse_sign: int = -1) -> str:
+    """The verdict from an interval. ``worse_sign`` is -1 where lower is worse (accuracy) and +1
+    where higher is worse (perplexity)."""
+    if math.isnan(low) or math.isnan(high):
+        return OPEN
+    if kind == "equivalent":
+        if -margin <= low and high <= margin:
+            return HOLDS
+        if high < -margin or low > margin:
+            return FAILS
+        return OPEN
+    # worse: flip so that "worse" is negative, then the claim is "the effect is below -margin"
+    lo, hi = (low, high) if worse_sign < 0 else (-high, -low)
+    if hi < -margin:
+        return HOLDS
+    if lo > -margin:
+        return FAILS
+    return OPEN
+
+
+def seeds_to_decide(kind: Kind, diffs: list[float], margin: float, worse_sign: int = -1, cap: int = 1000) -> int | None:
+    """Seeds at which the interval would clear the margin, if the mean and standard deviation
+    stayed as measured; None when no number of seeds would (the mean sits on the margin)."""
+    if len(diffs) < 2:
+        return None
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    if kind == "worse":
+        mean = mean if worse_sign < 0 else -mean
+        gap = abs(mean + margin)  # distance from the -margin boundary
+    else:
+        gap = abs(margin - abs(mean))
+    if gap == 0:
+        return None
+    for n in range(2, cap + 1):
+        if t_quantile(0.975, n - 1) * sd / math.sqrt(n) < gap:
+            return n
+    return None
+
+
+@dataclass
+class Verdict:
+    claim: str
+    verdict: str
+    effect: float  # mean paired difference, in the claim's unit
+    ci95: tuple[float, float]
+    n_seeds: int
+    margin: float
+    unit: str
+    kind: str
+    seeds_to_decide: int | None
+    runs: list[str]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def judge(
+    claim: str,
+    kind: Kind,
+    diffs: list[float],
+    margin: float,
+    unit: str,
+    runs: list[str],
+    worse_sign: int = -1,
+) -> Verdict:
+    """One claim's verdict from its paired differences (treatment - reference, per seed)."""
+    if not diffs:
+        return Verdict(claim, OPEN, math.nan, (math.nan, math.nan), 0, margin, unit, kind, None, runs)
+    mean, low, high = paired_ci(diffs)
+    verdict = decide(kind, low, high, margin, worse_sign)
+    need = None if verdict != OPEN else seeds_to_decide(kind, diffs, margin, worse_sign)
+    return Verdict(claim, verdict, mean, (low, high), len(diffs), margin, unit, kind, need, runs)
+
+
+def combine(verdicts: list[str]) -> str:
+    """A claim made of parts holds when every part holds, fails when any part fails."""
+    if any(v == FAILS for v in verdicts):
+        return FAILS
+    if verdicts and all(v == HOLDS for v in verdicts):
+        return HOLDS
+    return OPEN
