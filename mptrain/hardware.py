@@ -124,6 +124,13 @@ def lstm_path(device_type: str, dtype: torch.dtype) -> str:
     """
     if device_type != "cpu" or dtype == torch.float32:
         return "autocast"
+    # fork_rng: the probe's random init must not move the run's RNG stream, or a seed would give
+    # other dropout masks in a half precision than in FP32, and the runs would no longer pair
+    with torch.random.fork_rng(devices=[]):
+        return _probe_lstm(dtype)
+
+
+def _probe_lstm(dtype: torch.dtype) -> str:
     lstm = nn.LSTM(4, 4, batch_first=True)
     x = torch.zeros(1, 2, 4, requires_grad=True)
     for path in ("autocast", "cast"):
@@ -147,8 +154,9 @@ def emulation_slowdown(dtype: torch.dtype) -> float:
     A probe of about 0.1 s on a ResNet-like 3x3 convolution (best of 5 each), so the warning for an
     emulated half type quotes a figure measured on this machine rather than a guess.
     """
-    x = torch.randn(4, 64, 14, 14)
-    w = torch.randn(64, 64, 3, 3)
+    with torch.random.fork_rng(devices=[]):  # leave the run's RNG stream where the seed put it
+        x = torch.randn(4, 64, 14, 14)
+        w = torch.randn(64, 64, 3, 3)
 
     def best(ctx_dtype: torch.dtype | None) -> float:
         times = []
