@@ -111,7 +111,6 @@ CELLS: dict[str, tuple[str, ...]] = {
     "amp_bf16": ("precision=amp_bf16", "loss_scale=none"),
     "fp8": ("precision=fp8", "loss_scale=enhanced"),  # E5M2, no per-tensor scales, SR (Mellempudi et al.)
     "fp16_none": ("precision=amp_fp16", "loss_scale=none"),
-    "fp16_adaptive": ("precision=amp_fp16", "loss_scale=adaptive"),
     "fp8_none": ("precision=fp8", "loss_scale=none"),
     "fp8_nosr": ("precision=fp8", "loss_scale=enhanced", "precision.stochastic_rounding=false"),
 }
@@ -154,9 +153,13 @@ def enhanced_schedule(steps: int) -> list[str]:
     ]
 
 
+def run_steps(model: str, quick: bool) -> int:
+    return max(RECIPES[model].steps // 10, 12) if quick else RECIPES[model].steps
+
+
 def spec(part: str, model: str, cell: str, seed: int, quick: bool, extra: tuple[str, ...] = (), tag: str = "") -> Spec:
     r = RECIPES[model]
-    steps = max(r.steps // 10, 12) if quick else r.steps
+    steps = run_steps(model, quick)
     ov = [*r.overrides, *CELLS[cell], f"trainer.seed={seed}", f"trainer.max_steps={steps}",
           f"trainer.eval_every={steps}", f"trainer.log_every={max(steps // 30, 2)}", "trainer.device=cpu",
           "trainer.checkpoint_every=null", "trainer.resume=null", *extra]
@@ -193,12 +196,10 @@ TELEMETRY_RUNS = (
 
 
 def telemetry_specs(quick: bool) -> list[Spec]:
-    out = []
-    for model, cell in TELEMETRY_RUNS:
-        steps = spec("telemetry", model, cell, 0, quick).overrides
-        every = max(int(next(o for o in steps if o.startswith("trainer.max_steps=")).split("=")[1]) // 10, 1)
-        out.append(spec("telemetry", model, cell, 0, quick, (*TELEMETRY, f"telemetry.every={every}"), tag="tel"))
-    return out
+    return [
+        spec("telemetry", m, c, 0, quick, (*TELEMETRY, f"telemetry.every={max(run_steps(m, quick) // 10, 1)}"), "tel")
+        for m, c in TELEMETRY_RUNS
+    ]
 
 
 PARTS = {"parity": parity_specs, "scaling": scaling_specs, "fp8": fp8_specs, "telemetry": telemetry_specs}
@@ -273,11 +274,12 @@ def telemetry_digest(summary: dict) -> dict | None:
     mean = lambda rows, k: statistics.fmean(r.get(k) or 0.0 for r in rows) if rows else None  # noqa: E731
     worst = max(acts, key=lambda r: r.get("lost_frac") or 0.0, default=None)
     return {
-        "format": t["format"],
+        "format": "e5m2" if "e5m2" in t.get("formats", []) else t["format"],
+        "measured_in": t.get("measured_in"),
         "steps_sampled": t["steps_sampled"],
         "act_lost_frac_mean": mean(acts, "lost_frac"),
         "act_lost_frac_max": None if worst is None else worst.get("lost_frac"),
-        "act_lost_worst_layer": None if worst is None else worst.get("name"),
+        "act_lost_worst_layer": None if worst is None else worst.get("layer"),
         "weight_lost_frac_mean": mean(wts, "lost_frac"),
         "act_underflow_frac_mean": mean(acts, "underflow_frac"),
         "act_hist_zero_frac": h["zero"] / total if total else None,
@@ -475,7 +477,7 @@ def cell_table(t: Table, model: str, cells: list[str]) -> list[str]:
 
 def telemetry_table(recs: list[dict]) -> list[str]:
     lines = ["| run | format | act grads lost (mean over layers) | worst layer | weight grads lost (mean) | "
-             "act grads below the format's smallest subnormal | zero bin | val metric |",
+             "act grads below 2^-24 (FP16's smallest subnormal) | exact zeros | val metric |",
              "|---|---|---|---|---|---|---|---|"]
     pct = lambda v: "—" if v is None else f"{100 * v:.2f}%"  # noqa: E731
     for r in recs:
@@ -502,7 +504,14 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
 
     from mptrain.report import read_curves
 
-    written = []
+    written: list[str] = []
+
+    def save(fig: plt.Figure, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(DOCS / name, dpi=110)
+        plt.close(fig)
+        written.append(name)
+
     # 1. parity: paired difference against FP32 with its 95% CI, the margin shaded
     models = list(RECIPES)
     fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.8))
@@ -524,10 +533,7 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
         ax.set_ylabel(f"Δ vs fp32, {r.unit}" + (" (higher is worse)" if r.metric == "ppl" else ""))
         ax.set_title(f"{m}: paired Δ vs FP32, 95% CI", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(DOCS / "parity.png", dpi=110)
-    plt.close(fig)
-    written.append("parity.png")
+    save(fig, "parity.png")
 
     # 2. loss curves, mean over seeds, per cell
     fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.6))
@@ -552,10 +558,7 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
         ax.set_ylabel("train loss (mean over seeds)")
         ax.set_title(m, fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(DOCS / "loss_curves.png", dpi=110)
-    plt.close(fig)
-    written.append("loss_curves.png")
+    save(fig, "loss_curves.png")
 
     # 3. activation-gradient histograms, as stored (scale included), from the telemetry runs
     tel = [(s, load(s, runs)) for s in specs if s.part == "telemetry"]
@@ -568,23 +571,23 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
             h = tm["act_grad_histogram"]
             edges, counts = h["log2_edges"], h["counts"]
             total = h["zero"] + sum(counts) + h["nonfinite"]
-            lo = edges[0]
-            fmt_name = tm["format"]
-            tiny = -16 if "e5m2" in fmt_name else -24  # the smallest subnormal of the run's format
-            heights = [100 * h["zero"] / total] + [100 * c / total for c in counts]
-            ax.bar([lo - 1.5] + [e + 0.5 for e in edges[:-1]], heights,
-                   width=0.9, color=["black"] + ["tab:red" if e < tiny else "tab:blue" for e in edges[:-1]])
+            fmt_name = "e5m2" if "e5m2" in tm.get("formats", []) else tm["format"]
+            tiny = -16 if fmt_name == "e5m2" else -24  # the smallest subnormal of the run's format
+            # nonzero values only: ReLU's exact zeros (most of a CNN's) would flatten the bars; the
+            # title gives their share
+            nonzero = max(sum(counts), 1)
+            ax.bar([e + 0.5 for e in edges[:-1]], [100 * c / nonzero for c in counts], width=0.9,
+                   color=["tab:red" if e < tiny else "tab:blue" for e in edges[:-1]])
             ax.axvline(tiny, color="red", ls="--", lw=1, label=f"smallest {fmt_name} subnormal 2^{tiny}")
-            ax.set_ylabel("% of values")
-            ax.set_title(f"{s.model} {s.cell} (seed 0): zero {100 * h['zero'] / total:.2f}%", fontsize=8)
+            ax.set_ylabel("% of nonzero")
+            below = sum(c for e, c in zip(edges[:-1], counts, strict=False) if e < tiny) / total
+            ax.set_title(f"{s.model} {s.cell} (seed 0, computed in {tm['measured_in']}): exact zeros "
+                         f"{100 * h['zero'] / total:.2f}%, below 2^{tiny} {100 * below:.2f}%", fontsize=8)
             ax.legend(fontsize=7, loc="upper right")
-        axes[-1].set_xlabel("log2 |activation gradient| as stored (loss scale included); black: exact zeros")
-        fig.tight_layout()
-        fig.savefig(DOCS / "grad_histograms.png", dpi=110)
-        plt.close(fig)
-        written.append("grad_histograms.png")
+        axes[-1].set_xlabel("log2 |activation gradient| as the hooks see it (loss scale included), all hooked layers")
+        save(fig, "grad_histograms.png")
 
-    # 4. final metric against the static scale, dynamic, adaptive, unscaled and FP32 marked
+    # 4. final metric against the static scale, dynamic, unscaled and FP32 marked (adaptive: not on the LSTM)
     m = SCALING_MODEL
     r = RECIPES[m]
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -598,7 +601,7 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
     if xs:
         ax.errorbar(xs, ys, yerr=es, fmt="o-", capsize=4, label="static scale (mean ± std)")
     for cell, style, label in [("fp32", "k-", "fp32"), ("amp_fp16", "g--", "dynamic"),
-                               ("fp16_adaptive", "m-.", "adaptive"), ("fp16_none", "r:", "no scaling")]:
+                               ("fp16_none", "r:", "no scaling")]:
         mu = t.mean(m, cell)
         if mu is not None:
             ax.axhline(mu, color=style[0], ls=style[1:], label=f"{label}: {mu:.2f}")
@@ -606,10 +609,7 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
     ax.set_ylabel(f"val {r.metric} ({'lower' if r.metric == 'ppl' else 'higher'} is better)")
     ax.set_title(f"{m}: final {r.metric} against the static loss scale", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(DOCS / "static_scale.png", dpi=110)
-    plt.close(fig)
-    written.append("static_scale.png")
+    save(fig, "static_scale.png")
     return written
 
 

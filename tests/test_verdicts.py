@@ -5,10 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import scipy.stats as scipy_stats
 
-scipy_stats = pytest.importorskip("scipy.stats")
-
-from mptrain.verdicts import FAILS, HOLDS, OPEN, decide, judge, paired_ci, seeds_to_decide  # noqa: E402
+from mptrain.verdicts import FAILS, HOLDS, OPEN, decide, judge, paired_ci, seeds_to_decide
 
 
 def test_paired_ci_matches_scipys_paired_t_test() -> None:
