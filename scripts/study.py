@@ -3,7 +3,7 @@
 python_docs), on CPU (issue 12).
 
     python scripts/study.py all              # every part, then the report (about 90 min on 2 cores)
-    python scripts/study.py all --quick      # smoke run: 2 seeds, a tenth of the steps
+    python scripts/study.py all --quick      # 2 seeds, a tenth of the steps; report in runs/study/quick
     python scripts/study.py parity|scaling|fp8|telemetry   # one part (finished runs are not redone)
     python scripts/study.py report           # results.json, tables.md and the PNGs from the runs
 
@@ -496,7 +496,7 @@ def telemetry_table(recs: list[dict]) -> list[str]:
 # ------------------------------------------------------------------------------------------ figures
 
 
-def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str]:
+def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -508,7 +508,7 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
 
     def save(fig: plt.Figure, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(DOCS / name, dpi=110)
+        fig.savefig(out / name, dpi=110)
         plt.close(fig)
         written.append(name)
 
@@ -616,7 +616,9 @@ def figures(t: Table, cl: list[dict], runs: Path, specs: list[Spec]) -> list[str
 def report(runs: Path, quick: bool) -> None:
     import torch
 
-    DOCS.mkdir(parents=True, exist_ok=True)
+    # a smoke run must not overwrite the study's committed results
+    out = runs / "report" if quick else DOCS
+    out.mkdir(parents=True, exist_ok=True)
     specs = all_specs(quick)
     recs = [record(s, load(s, runs)) for s in specs]
     t = Table(recs)
@@ -632,8 +634,8 @@ def report(runs: Path, quick: bool) -> None:
     missing = [r["name"] for r in recs if r.get("status") != "completed"]
     if missing:
         md += [f"Runs not completed: {', '.join(missing)}", ""]
-    (DOCS / "tables.md").write_text("\n".join(md) + "\n")
-    pngs = figures(t, cl, runs, specs)
+    (out / "tables.md").write_text("\n".join(md) + "\n")
+    pngs = figures(t, runs, specs, out)
     results = dict(
         date=date.today().isoformat(),
         generated_by="scripts/study.py report" + (" --quick" if quick else ""),
@@ -650,7 +652,7 @@ def report(runs: Path, quick: bool) -> None:
         figures=pngs,
         runs=recs,
     )
-    (DOCS / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print("\n".join(verdict_table(cl)))
     print(f"holds: {sum(c['verdict'] == HOLDS for c in cl)} of {len(cl)} claims")
 
