@@ -90,6 +90,7 @@ from torch.utils import _pytree as pytree
 from mptrain.adaptive_rule import _amax, backward_fan_in, join_scale, layer_scale, output_scale
 from mptrain.errors import MptrainError
 from mptrain.loss_scaling import LossScaler, _check_policy
+from mptrain.optim import discard_skipped_state, fresh_params
 
 _SITE_TYPES = (nn.modules.conv._ConvNd, nn.Linear)
 _OUTPUT = "<output>"
@@ -648,11 +649,13 @@ class AdaptiveScaler(LossScaler):
             # Fused optimizers skip on the device (GradScaler's contract: grads already unscaled).
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            fresh = fresh_params(optimizer)
             try:
                 optimizer.step()
             finally:
                 del optimizer.grad_scale  # type: ignore[attr-defined]
                 del optimizer.found_inf  # type: ignore[attr-defined]
+            discard_skipped_state(optimizer, fresh, found_inf)
             # No host read here; update() decides whether the cached scales must be recomputed.
             self._device_found_inf.append(found_inf)
             return

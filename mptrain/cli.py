@@ -3,7 +3,8 @@
     mptrain model=resnet50 precision=mixed
     mptrain -m model=resnet50,vgg16 precision=fp32,mixed      # a sweep (Hydra multirun)
 
-Bad input gets one line on stderr (``mptrain: error: ...``) and exit status 2, no traceback.
+Bad input gets one line on stderr (``mptrain: error: ...``) and exit status 2, no traceback; a run
+that diverges (non-finite loss) gets ``mptrain: diverged: ...`` and exit status 3.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from mptrain.config import register_configs, validate
-from mptrain.errors import MptrainError
+from mptrain.errors import DivergedError, MptrainError
 
 CONFIG_MODULE = "mptrain.configs"
 GROUPS = ("model", "data", "precision", "loss_scale", "optim", "sched", "telemetry")
@@ -51,6 +52,13 @@ def _run(cfg: DictConfig) -> float | None:
         if multirun:
             return None
         sys.exit(128 + exc.signum)
+    except DivergedError as exc:
+        # Not bad input: the run itself failed. Its own status (3), so scripts can tell the two apart.
+        if multirun:
+            log.error("mptrain: diverged: %s", exc)
+            return None
+        print(f"mptrain: diverged: {exc}", file=sys.stderr)
+        sys.exit(3)
     except MptrainError as exc:
         if multirun:  # one bad job must not end the sweep; its summary.json says why
             log.error("mptrain: error: %s", exc)

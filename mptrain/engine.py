@@ -196,6 +196,7 @@ class Engine:
         """One optimizer step per objective. Returns per-objective device rows for logging."""
         accum = len(micro_batches)
         rows = []
+        finite: Tensor | None = None
         for slot in self.slots:
             slot.optimizer.zero_grad(set_to_none=True)
             loss_sum: Tensor | None = None
@@ -230,13 +231,13 @@ class Engine:
             slot.scheduler.step()
             loss_mean = loss_sum / accum if accum > 1 else loss_sum
             self.skipped += slot.scaler.found_inf
-            self.nonfinite_run = torch.where(
-                torch.isfinite(loss_mean), torch.zeros_like(self.nonfinite_run), self.nonfinite_run + 1
-            )
+            finite = torch.isfinite(loss_mean) if finite is None else finite & torch.isfinite(loss_mean)
             # One small stack per step: it also snapshots the scale before the next in-place update.
             rows.append(torch.stack([loss_mean, slot.scaler.scale_value.float(), slot.scaler.found_inf,
                                      *(v.float() for v in extras.values())]))
             slot.extra_names = list(extras)
+        # A step counts as non-finite when any objective's loss is (a GAN has two).
+        self.nonfinite_run = torch.where(finite, torch.zeros_like(self.nonfinite_run), self.nonfinite_run + 1)
         return rows
 
     def _shadow_loss(self, slot: Slot, batch: Any, state: dict[str, Any], accum: int) -> Tensor:
@@ -290,7 +291,7 @@ class Engine:
                     rate = samples * self.dist.world_size / elapsed  # global throughput
                     windows.append(rate)
                     self.data_wait_windows.append((wait / window_steps, wait / elapsed))
-                    skipped_logged = self._flush(buffer, rate, elapsed / window_steps, skipped_logged)
+                    skipped_logged = self._flush(buffer, rate, elapsed / window_steps, skipped_logged, done)
                     warned = warned or self._warn_data_wait(len(windows))
                     buffer.clear()
                     t0, samples, window_steps = time.perf_counter(), 0, 0
@@ -350,8 +351,13 @@ class Engine:
         return False
 
     def _flush(self, buffer: list[tuple[int, list[Tensor]]], rate: float, step_time: float,
-               skipped_before: float) -> float:
-        """The logging step: one host sync for the whole window, then TensorBoard and console."""
+               skipped_before: float, final: bool = False) -> float:
+        """The logging step: one host sync for the whole window, then TensorBoard and console.
+
+        Raises DivergedError when the loss has been non-finite for ``max_nonfinite_steps``
+        consecutive steps, or, on the run's last step (``final``), when the last loss is non-finite
+        at all: a short run must not report ``completed`` with a NaN loss.
+        """
         logger = self.logger
         steps = [s for s, _ in buffer]
         window = torch.stack([torch.cat(rows) for _, rows in buffer])
@@ -404,10 +410,17 @@ class Engine:
         self.task.log_media(logger, step)
         self.last_loss = last[0]
         run = int(distributed.all_reduce(self.nonfinite_run.clone(), "max"))
-        if run >= self.cfg.trainer.max_nonfinite_steps:
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if run >= limit:
             raise DivergedError(
-                f"loss was non-finite for {run} consecutive steps (trainer.max_nonfinite_steps="
-                f"{self.cfg.trainer.max_nonfinite_steps}); the last good checkpoint is kept"
+                f"loss was non-finite for {run} consecutive steps (trainer.max_nonfinite_steps={limit}); "
+                f"{int(skipped_total)} of {step} steps skipped for overflow; the last good checkpoint is kept"
+            )
+        if final and run > 0:
+            raise DivergedError(
+                f"the final loss is {last[0]} (non-finite for the last {run} of {step} steps, fewer than "
+                f"trainer.max_nonfinite_steps={limit}); {int(skipped_total)} steps skipped for overflow; "
+                "the last good checkpoint is kept"
             )
         return skipped_total
 

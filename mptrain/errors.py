@@ -11,7 +11,8 @@ class MptrainError(Exception):
 
 
 class DivergedError(MptrainError):
-    """The loss stayed non-finite for ``trainer.max_nonfinite_steps`` consecutive steps."""
+    """The loss stayed non-finite for ``trainer.max_nonfinite_steps`` consecutive steps, or the
+    run's final loss is non-finite. The CLI prints ``mptrain: diverged: <message>``, exit status 3."""
 
 
 def check(cond: bool, message: str) -> None:

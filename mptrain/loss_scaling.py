@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mptrain.errors import DivergedError, MptrainError
+from mptrain.optim import discard_skipped_state, fresh_params
 
 
 class LossScaler(ABC):
@@ -166,7 +167,9 @@ class _GradScalerBase(LossScaler):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         # Fused optimizers skip on the device; others cost one host sync here (GradScaler's choice).
+        fresh = fresh_params(optimizer)
         self._scaler.step(optimizer)
+        discard_skipped_state(optimizer, fresh, self._found_inf)
 
     def update(self) -> None:
         self._update_scale(self._found_inf)

@@ -46,6 +46,31 @@ def _impl_kwargs(impl: str, device: torch.device, groups: list[dict[str, Any]]) 
     return {"fused": True} if device.type == "cuda" and all_float else {}
 
 
+def fresh_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Parameters about to get their first optimizer state, when the optimizer skips on the device.
+
+    A fused optimizer receives GradScaler's ``found_inf`` and skips the update inside its kernel,
+    but torch's Python wrapper still creates and stores the state of a first step: fused SGD keeps
+    momentum buffers made with ``empty_like`` (uninitialised memory), which the next step then reads
+    as momentum. Non-fused optimizers are never called on an overflowing step, so they need nothing.
+    """
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return []
+    return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not optimizer.state.get(p)]
+
+
+def discard_skipped_state(optimizer: torch.optim.Optimizer, fresh: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+    """Forget the state that a skipped first step created, so the next clean step is a first step.
+
+    After this, whatever impl ran, the step after an overflow computes what a never-skipped run
+    computes (tests/test_skipped_steps.py). One host sync, only while some parameter has no state
+    yet: the first step(s) of a run, until one is not skipped.
+    """
+    if fresh and bool(found_inf.item()):
+        for p in fresh:
+            optimizer.state.pop(p, None)
+
+
 def build_optimizer(cfg: DictConfig, groups: list[dict[str, Any]], device: torch.device) -> torch.optim.Optimizer:
     """Reads ``optim.name``, ``optim.lr``, ``optim.impl`` and the optimizer's own keys."""
     kwargs = _impl_kwargs(cfg.impl, device, groups)

@@ -139,6 +139,18 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(t).all() for t in last["modules"]["model"].values() if t.is_floating_point())
 
 
+def test_short_run_ending_non_finite_is_diverged_not_completed(tmp_path):
+    # 6 steps, far fewer than max_nonfinite_steps=50: before issue 17 this said "completed" with a
+    # NaN final loss. The CLI says so in one line, with its own exit status (3: not bad input).
+    args = [*tiny("alexnet"), "trainer.max_steps=6", "trainer.log_every=3", "optim.lr=1e12"]
+    r = run_cli(*args, f"hydra.run.dir={tmp_path}")
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["status"] == "diverged" and s["steps"] == 6 and not math.isfinite(s["final_loss"])
+    assert "final loss is nan" in s["error"]
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("mptrain: diverged: the final loss is nan")
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=1"))
     ckpt = checkpoint.list_checkpoints(tmp_path / "a")[-1]
