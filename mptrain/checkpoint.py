@@ -93,24 +93,44 @@ def load(path: Path) -> dict[str, Any]:
     return state
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's RNG streams: CPU torch, this process's own GPU (not every visible one: under
+    DDP each rank owns one device, and another rank's stream is not ours to save), Python, numpy."""
     np_state = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "python": random.getstate(),
         # numpy's state holds an ndarray, which weights_only refuses: store it as a list.
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
     }
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(saved: list[dict[str, Any]] | dict[str, Any], rank: int, device: torch.device) -> bool:
+    """Restore this rank's streams from a checkpoint's per-rank list (rank 0 gathers them on save).
+
+    Resuming on fewer ranks uses the first ones; a rank the checkpoint has no state for (more ranks
+    than were saved) keeps the streams its seed gave it. Returns whether a state was restored.
+    """
+    if isinstance(saved, dict):  # checkpoints before per-rank states: one state, every GPU's stream
+        saved = [{**saved, "cuda": _own_cuda(saved.get("cuda"), device)}]
+    if rank >= len(saved):
+        return False
+    state = saved[rank]
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     random.setstate(_to_tuple(state["python"]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    return True
+
+
+def _own_cuda(states: list[torch.Tensor] | None, device: torch.device) -> torch.Tensor | None:
+    if not states or device.type != "cuda":
+        return None
+    index = device.index or 0
+    return states[index] if index < len(states) else None
 
 
 def _to_tuple(x: Any) -> Any:

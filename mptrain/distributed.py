@@ -71,6 +71,17 @@ def _first_slurm_host() -> str:
     return head
 
 
+def cuda_index(local_rank: int) -> int:
+    """This process's GPU among those it can see.
+
+    One GPU per task is not always "GPU number LOCAL_RANK": under SLURM's ``--gpus-per-task`` or a
+    per-task ``CUDA_VISIBLE_DEVICES`` each process sees only its own GPU(s), so the local rank is
+    an invalid ordinal there. Round-robin over the visible devices covers both layouts.
+    """
+    count = torch.cuda.device_count()
+    return local_rank % count if count else 0
+
+
 def init(device_type: str) -> DistEnv:
     """Join the process group if launched by torchrun or as one of several SLURM tasks. NCCL on CUDA,
     gloo on CPU."""
@@ -78,7 +89,7 @@ def init(device_type: str) -> DistEnv:
     found = _from_environment()
     if found.enabled and not dist.is_initialized():
         if device_type == "cuda":
-            torch.cuda.set_device(found.local_rank)
+            torch.cuda.set_device(cuda_index(found.local_rank))
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
     _ENV = found
     return found
@@ -103,6 +114,16 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if op == "mean":
             t /= _ENV.world_size
     return t
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` when not distributed). A collective: every
+    rank must call it."""
+    if not _ENV.enabled:
+        return [obj]
+    out: list[Any] = [None] * _ENV.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class PreemptionGuard:

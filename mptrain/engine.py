@@ -63,7 +63,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise MptrainError("trainer.device=cuda: no CUDA device is available (use auto or cpu)")
-    return torch.device("cuda", local_rank) if name == "cuda" else torch.device("cpu")
+    return torch.device("cuda", distributed.cuda_index(local_rank)) if name == "cuda" else torch.device("cpu")
 
 
 class Interrupted(Exception):
@@ -83,6 +83,19 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def set_deterministic(on: bool) -> None:
+    """``trainer.deterministic``: kernels that give the same bits on every run (cuDNN's default
+    weight-gradient convolutions, for one, accumulate with atomics). torch flags some ops that
+    are in fact deterministic for common shapes (global average pooling's backward), so an op with
+    no deterministic kernel warns rather than stops the run. Set by every run, off too, because it
+    is a process-wide torch flag."""
+    if on:
+        # cuBLAS needs a fixed workspace split to be deterministic (CUDA >= 10.2); read at its start.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.backends.cudnn.deterministic = on
 
 
 @dataclass
@@ -118,8 +131,10 @@ class Engine:
             logging.getLogger().setLevel(logging.WARNING)  # one voice per job: rank 0's
         # Every rank starts from the same weights (same seed); data shards differ by rank.
         seed_everything(t.seed)
+        set_deterministic(t.deterministic)
         if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = t.cudnn_benchmark
+            # Autotuning picks the fastest kernel per shape, which may differ between runs.
+            torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
@@ -269,6 +284,11 @@ class Engine:
         skipped_logged = float(self.skipped)
         for slot in self.slots:
             slot.module.train()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            # Peak memory is this run's: a sweep's earlier jobs in this process must not count.
+            torch.cuda.reset_peak_memory_stats(self.device)
+        first_step = self.step + 1
         while self.step < self.total_steps:
             epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
             batches = self.task.train_batches(epoch, start=in_epoch * t.grad_accum)
@@ -279,6 +299,11 @@ class Engine:
                 samples += sum(self.task.batch_size(b) for b in micro)
                 buffer.append((self.step + 1, self._train_step(micro)))
                 self.step += 1
+                if cuda and self.step == first_step and torch.backends.cudnn.benchmark:
+                    # cuDNN autotuning tries algorithms with large workspaces on the first step only:
+                    # a transient spike that is not the run's working set, so measure from here.
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
                 window_steps += 1
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 done = self.step >= self.total_steps
@@ -426,7 +451,8 @@ class Engine:
 
     # ---------------------------------------------------------------------------------- state
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, rng: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The checkpoint; ``rng``: every rank's RNG streams, in rank order (default: this rank's)."""
         return {
             "format": 1,
             "mptrain_version": __version__,
@@ -440,19 +466,25 @@ class Engine:
             "masters": {s.objective.name: s.master.state_dict() for s in self.slots if s.master},
             "task_state": self.task.state_dict(),
             "counters": {"skipped": float(self.skipped), "nonfinite_run": float(self.nonfinite_run)},
-            "rng": checkpoint.rng_state(),
+            "rng": rng if rng is not None else [checkpoint.rng_state(self.device)],
             "config": OmegaConf.to_container(self.cfg, resolve=True),
         }
 
-    def save(self) -> None:
-        """Checkpoint atomically (rank 0); never over a good checkpoint with non-finite weights."""
+    def save(self, gather: bool = True) -> None:
+        """Checkpoint atomically (rank 0); never over a good checkpoint with non-finite weights.
+
+        Every rank calls it: rank 0 gathers each rank's RNG streams (its dropout masks and its own
+        GPU's stream differ), unless ``gather`` is off (a Ctrl-C, where other ranks may not be here).
+        """
+        own = checkpoint.rng_state(self.device)
+        rng = distributed.all_gather_object(own) if gather else [own]
         if not self.dist.is_main:
             return
         params = [p for m in self.task.modules.values() for p in m.parameters()]
         if params and not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
             log.warning("step %d: weights are not finite; checkpoint not written", self.step)
             return
-        checkpoint.save_atomic(self.state_dict(), checkpoint.checkpoint_path(self.run_dir, self.step))
+        checkpoint.save_atomic(self.state_dict(rng), checkpoint.checkpoint_path(self.run_dir, self.step))
         checkpoint.prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
@@ -485,7 +517,9 @@ class Engine:
         self.step = int(state["step"])
         self.skipped.fill_(state["counters"]["skipped"])
         self.nonfinite_run.fill_(state["counters"]["nonfinite_run"])
-        checkpoint.set_rng_state(state["rng"])
+        if not checkpoint.set_rng_state(state["rng"], self.dist.rank, self.device):
+            log.warning("rank %d: the checkpoint holds RNG streams for %d ranks; this rank's start from its seed",
+                        self.dist.rank, len(state["rng"]))
         self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -595,7 +629,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     except KeyboardInterrupt:
         status, error = "interrupted", "interrupted by the user"
         if engine is not None:
-            engine.save()
+            engine.save(gather=False)
         raise
     except Exception as exc:
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -39,6 +39,7 @@ the state that ``mptrain.precision.Precision`` keeps.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -516,7 +517,9 @@ def _convert_torchao(
     def module_filter_fn(module: nn.Module, fqn: str) -> bool:
         return not isinstance(module, nn.Linear) or _fp8_eligible(module)
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    # The weight-gradient GEMM contracts over the batch (tokens), which torch._scaled_mm needs
+    # divisible by 16 like the feature dims: pad_inner_dim zero-pads it, so any batch size trains.
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     if state is None:

@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TINY
 from test_engine import scalars
 
-from mptrain import checkpoint
+from mptrain import checkpoint, distributed
 
 # AlexNet has no batch norm (whose per-rank statistics would differ from one big batch) and,
 # with dropout off, no randomness: two ranks must reproduce one process with the same global batch.
@@ -83,6 +84,34 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     # Rank 0 alone writes: every call to save_atomic came from rank 0.
     callers = [line.split()[0] for line in writes.read_text().splitlines()]
     assert callers and set(callers) == {"0"}, callers
+    # ...but with every rank's RNG streams, so that each rank resumes its own (issue 17).
+    state = torch.load(checkpoint.list_checkpoints(ddp)[-1], weights_only=True)
+    assert isinstance(state["rng"], list) and len(state["rng"]) == 2
+
+
+def test_cuda_index_wraps_round_the_visible_gpus(monkeypatch):
+    # SLURM --gpus-per-task or a per-task CUDA_VISIBLE_DEVICES: each task sees one GPU, whatever its
+    # local rank; set_device(local_rank) was an invalid ordinal there.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert distributed.cuda_index(3) == 0
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [distributed.cuda_index(r) for r in range(6)] == [0, 1, 2, 3, 0, 1]
+
+
+def test_each_rank_restores_its_own_rng_streams_on_fewer_or_more_ranks():
+    cpu = torch.device("cpu")
+    saved = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        saved.append(checkpoint.rng_state(cpu))
+    assert checkpoint.set_rng_state(saved, rank=1, device=cpu)
+    assert torch.equal(torch.get_rng_state(), saved[1]["torch"])
+    assert checkpoint.set_rng_state(saved, rank=0, device=cpu)  # resuming on fewer ranks: no error
+    assert torch.equal(torch.get_rng_state(), saved[0]["torch"])
+    torch.manual_seed(7)
+    mine = torch.get_rng_state()
+    assert not checkpoint.set_rng_state(saved[:1], rank=1, device=cpu)  # more ranks than saved
+    assert torch.equal(torch.get_rng_state(), mine)  # this rank keeps the streams its seed gave it
 
 
 def test_adaptive_scales_agree_across_ranks(tmp_path):

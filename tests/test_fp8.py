@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import sys
 import types
@@ -22,7 +23,7 @@ FP8_FORMATS = [E5M2, E4M3]
 ALL_FORMATS = [E5M2, E4M3, FP16]
 
 
-def make_precision(**overrides: object) -> Precision:
+def make_precision(device: str = "cpu", **overrides: object) -> Precision:
     cfg = {
         "name": "fp8",
         "backend": "emulated",
@@ -33,7 +34,7 @@ def make_precision(**overrides: object) -> Precision:
         "emulated_compute": "fp32",
         **overrides,
     }
-    return build_precision(OmegaConf.create(cfg), torch.device("cpu"))
+    return build_precision(OmegaConf.create(cfg), torch.device(device))
 
 
 def grid(fmt: Fp8Format) -> torch.Tensor:
@@ -441,10 +442,14 @@ def test_torchao_call_with_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
     class Float8Linear(nn.Linear):
         pass
 
-    class Float8LinearConfig:
+    @dataclasses.dataclass(frozen=True)
+    class Float8LinearConfig:  # the fields mptrain reads or sets, as in torchao
+        recipe: str
+        pad_inner_dim: bool = False
+
         @staticmethod
-        def from_recipe_name(name: str) -> str:
-            return f"config:{name}"
+        def from_recipe_name(name: str) -> Float8LinearConfig:
+            return Float8LinearConfig(name)
 
     def convert_to_float8_training(module, *, module_filter_fn, config):
         calls["config"] = config
@@ -460,7 +465,8 @@ def test_torchao_call_with_fake_module(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torchao.float8", fake)
     p = _torchao_precision()
     p.prepare_model(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 10)))
-    assert calls["config"] == "config:rowwise"
+    # pad_inner_dim: the weight-gradient GEMM contracts over the batch, which need not divide by 16.
+    assert calls["config"] == Float8LinearConfig("rowwise", pad_inner_dim=True)
     assert p.fp8_state.backend == "torchao" and p.fp8_state.converted == ["0"]
 
 
@@ -474,7 +480,8 @@ def test_torchao_real_conversion_on_cpu() -> None:
     assert p.fp8_state is not None and p.fp8_state.backend == "torchao"
     assert p.fp8_state.converted == ["0"]  # 16x10 and 10x16 are not divisible by 16: left alone
     assert type(model[0]) is Float8Linear and type(model[2]) is nn.Linear and type(model[3]) is nn.Linear
-    assert float8.Float8LinearConfig.from_recipe_name("rowwise") == model[0].config
+    expected = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name("rowwise"), pad_inner_dim=True)
+    assert model[0].config == expected
 
 
 @pytest.mark.cuda
@@ -483,11 +490,15 @@ def test_torchao_real() -> None:
     pytest.importorskip("torchao")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs sm89+")
-    p = make_precision(backend="torchao", recipe="tensorwise")
+    # Built for the GPU it runs on: torchao refuses a CPU precision (issue 17).
+    p = make_precision("cuda", backend="torchao", recipe="tensorwise")
     model = p.prepare_model(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)).cuda().bfloat16())
     assert p.fp8_state.converted == ["0"]
     with p.autocast():
         model(torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+        # A batch of 10: the weight-gradient GEMM's inner dim is not a multiple of 16 (issue 17).
+        model(torch.randn(10, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    assert torch.isfinite(model[0].weight.grad).all()
 
 
 def test_emulated_layer_output_can_be_modified_in_place() -> None:

@@ -317,8 +317,8 @@ def test_bench_data_json_contract(tmp_path: Path, capsys: pytest.CaptureFixture[
     from mptrain.bench import main
 
     args = ["data", "--images", "8", "--classes", "2", "--workers", "0", "--rounds", "2", "--batch-size", "4",
-            "--image-size", "32", "--out", str(tmp_path), "--name", "r"]
-    assert main(args) == 0
+            "--image-size", "32", "--device", "cpu", "--out", str(tmp_path), "--name", "r"]
+    assert main(args) == 0  # --device cpu: with a GPU visible, auto would pick it and the contract differs
     result = json.loads((tmp_path / "r.json").read_text())
     meta = result["meta"]
     assert meta["command"].startswith("mptrain-bench data --images 8") and meta["device"] == "cpu"
@@ -342,7 +342,8 @@ def test_bench_data_trains_through_the_engine(tmp_path: Path) -> None:
 
     args = ["data", "--images", "4", "--classes", "2", "--splits", "", "--decodes", "cpu", "--workers", "0",
             "--batch-size", "2", "--image-size", "32", "--train", "resnet50", "--train-steps", "2",
-            "--train-log-every", "1", "--train-overrides", "model.width_divisor=8", "--out", str(tmp_path),
+            "--train-log-every", "1", "--train-overrides", "model.width_divisor=8", "--device", "cpu",
+            "--out", str(tmp_path),
             "--name", "r"]
     assert main(args) == 0
     runs = json.loads((tmp_path / "r.json").read_text())["train"]
