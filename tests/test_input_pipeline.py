@@ -169,6 +169,30 @@ def test_bytes_pipeline_end_to_end_on_cpu(tree: Path, monkeypatch: pytest.Monkey
     assert torch.equal(resumed[0][0], batches(ref, "train", 1)[1][0])
 
 
+def test_gpu_decode_drains_the_prefetch_stream_before_nvjpeg_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 17: nvjpeg writes on torchvision's own stream into blocks the allocator handed out by
+    # the prefetch stream's order; the prefetch stream must be drained first. CUDA's calls are
+    # recorded here, so the order is checked on any machine.
+    import torchvision.io
+
+    calls: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            calls.append("synchronize")
+
+    def decode_jpeg(items: list[torch.Tensor], mode: Any, device: Any) -> list[torch.Tensor]:
+        calls.append("decode")
+        return [torch.zeros(3, 4, 4, dtype=torch.uint8) for _ in items]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", decode_jpeg)
+    jpeg = torch.tensor([0xFF, 0xD8, 0xFF, 0xE0], dtype=torch.uint8)
+    raw = collate_raw([(jpeg, 0, 0), (jpeg, 1, 1)])
+    out = JpegDecoder(lambda img: img, torch.device("cuda"), seed=0, augment=False)(raw, epoch=0)
+    assert out.shape == (2, 3, 4, 4) and calls == ["synchronize", "decode"]
+
+
 def test_decode_errors(tree: Path) -> None:
     with pytest.raises(MptrainError, match=r"^data.decode=gpu: decodes with nvjpeg on CUDA, but the device is cpu "
                                            r"\(use data.decode=cpu\)$"):

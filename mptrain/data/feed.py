@@ -95,6 +95,13 @@ class JpegDecoder:
             # One batched call: on CUDA, nvjpeg decodes the whole batch (the host only parses headers).
             from torchvision.io import ImageReadMode, decode_jpeg
 
+            if self.device.type == "cuda":
+                # nvjpeg writes the outputs on torchvision's own decoder stream, but the caching
+                # allocator hands them blocks by the current (prefetch) stream's order: a block
+                # freed there may still be in use by kernels queued on it. Drain that stream first,
+                # so no queued kernel can touch a block nvjpeg writes. Cheap: torchvision's batched
+                # decode blocks the host until it is done anyway (cudaStreamSynchronize).
+                torch.cuda.current_stream(self.device).synchronize()
             decoded = decode_jpeg([raw.items[i] for i in jpeg], mode=ImageReadMode.RGB, device=self.device)
             for i, img in zip(jpeg, decoded, strict=True):
                 images[i] = img
