@@ -230,3 +230,18 @@ def test_bad_settings_fail_with_one_line_before_training(overrides, message):
 def test_fp8_and_adaptive_are_allowed_where_they_work():
     validate(compose([*TINY_TF, "precision=fp8"]))
     validate(compose([*TINY_TF, "precision=amp_fp16", "loss_scale=adaptive", "model.tie_weights=false"]))
+
+
+def test_resume_continues_the_loss_curve_exactly(tmp_path):
+    # Dropout on: the resumed run needs the RNG state; the tied weight must come back as one tensor.
+    from mptrain import checkpoint
+
+    common = [*TINY_TF, "model.dropout=0.2", "trainer.max_steps=4", "trainer.log_every=1"]
+    full = tmp_path / "full"
+    run_job(full, *common, "trainer.checkpoint_every=2", "trainer.keep_checkpoints=5")
+    first = checkpoint.list_checkpoints(full)[0]
+    resumed = tmp_path / "resumed"
+    s = run_job(resumed, *common, f"trainer.resume={first}")
+    assert s["resumed_from"] == str(first) and s["steps"] == 4
+    a, b = dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
+    assert sorted(b) == [3, 4] and all(b[step] == a[step] for step in (3, 4)), (a, b)
