@@ -48,6 +48,7 @@ class LanguageModelConfig:
 
     name: str = MISSING
     task: str = "language_model"
+    arch: str = "lstm"  # which language-model schema this is (the checks differ): lstm | transformer
     emb_size: int = 200  # word embedding width
     hidden_size: int = 200  # LSTM cells per layer
     num_layers: int = 2
@@ -55,6 +56,24 @@ class LanguageModelConfig:
     dropout: float = 0.2  # on the embeddings, between layers and before the softmax
     tie_weights: bool = True  # softmax weight = embedding; needs emb_size == (proj_size or hidden_size)
     init_range: float = 0.1  # embedding (and softmax) weights ~ U(-init_range, init_range)
+
+
+@dataclass
+class TransformerLMConfig:
+    """A GPT-style decoder-only transformer language model (``model.task=language_model``): pre-LayerNorm
+    blocks, causal attention, 4x GELU MLP, learned positions. The vocabulary comes from the data; each
+    row of a batch (``data.bptt`` tokens, which the configs set to ``block_size``) is one context."""
+
+    name: str = MISSING
+    task: str = "language_model"
+    arch: str = "transformer"
+    d_model: int = 384  # residual stream width (embeddings too)
+    num_layers: int = 6  # transformer blocks
+    num_heads: int = 6  # attention heads; must divide d_model
+    block_size: int = 256  # context length: the longest sequence the position embeddings cover
+    dropout: float = 0.1  # on embeddings, attention weights, and each block's two residual branches
+    tie_weights: bool = True  # lm_head weight = token embedding
+    init_std: float = 0.02  # weights ~ N(0, init_std); residual projections / sqrt(2 * num_layers)
 
 
 @dataclass
@@ -301,7 +320,12 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"classifier": ClassifierModelConfig, "language_model": LanguageModelConfig, "dcgan": DCGANConfig},
+    "model": {
+        "classifier": ClassifierModelConfig,
+        "language_model": LanguageModelConfig,
+        "transformer_lm": TransformerLMConfig,
+        "dcgan": DCGANConfig,
+    },
     "precision": {"base": PrecisionConfig, "bf16_pure": BF16PureConfig, "fp8": FP8PrecisionConfig},
     "loss_scale": {
         "base": LossScaleConfig,
@@ -521,6 +545,27 @@ def _validate_language_model(cfg: DictConfig) -> None:
         d.name in TEXT_DATASETS,
         f"data={d.name}: model={m.name} needs text data: {', '.join(TEXT_DATASETS)}",
     )
+    _at_least(d.bptt, 1, "data.bptt")
+    _at_least(d.vocab_size, 3, "data.vocab_size", allow_none=True)  # <unk>, <eos> and one word
+    if d.name == "synthetic_text":
+        check(d.vocab_size is not None, "data=synthetic_text needs data.vocab_size (e.g. 10000)")
+        _at_least(d.train_tokens, 2, "data.train_tokens")
+        _at_least(d.val_tokens, 2, "data.val_tokens")
+        _one_of(d.text_pattern, ("phrases", "uniform"), "data.text_pattern")
+    arch = m.get("arch", "lstm")
+    _one_of(arch, LM_ARCHS, "model.arch")
+    check(0 <= m.dropout < 1, f"model.dropout={m.dropout}: must be in [0, 1)")
+    if arch == "transformer":
+        _validate_transformer_lm(cfg)
+    else:
+        _validate_lstm_lm(cfg)
+
+
+LM_ARCHS = ("lstm", "transformer")
+
+
+def _validate_lstm_lm(cfg: DictConfig) -> None:
+    m = cfg.model
     for key in ("emb_size", "hidden_size", "num_layers"):
         _at_least(m[key], 1, f"model.{key}")
     _at_least(m.proj_size, 0, "model.proj_size")
@@ -528,7 +573,6 @@ def _validate_language_model(cfg: DictConfig) -> None:
         m.proj_size < m.hidden_size,
         f"model.proj_size={m.proj_size}: must be below model.hidden_size={m.hidden_size} (0 disables it)",
     )
-    check(0 <= m.dropout < 1, f"model.dropout={m.dropout}: must be in [0, 1)")
     _positive(m.init_range, "model.init_range")
     out = m.proj_size or m.hidden_size
     # An explicit choice that cannot hold is an error rather than a silent untie.
@@ -537,13 +581,6 @@ def _validate_language_model(cfg: DictConfig) -> None:
         f"model.tie_weights=true needs model.emb_size ({m.emb_size}) == the LSTM output size ({out}, "
         "model.proj_size or model.hidden_size); set them equal or model.tie_weights=false",
     )
-    _at_least(d.bptt, 1, "data.bptt")
-    _at_least(d.vocab_size, 3, "data.vocab_size", allow_none=True)  # <unk>, <eos> and one word
-    if d.name == "synthetic_text":
-        check(d.vocab_size is not None, "data=synthetic_text needs data.vocab_size (e.g. 10000)")
-        _at_least(d.train_tokens, 2, "data.train_tokens")
-        _at_least(d.val_tokens, 2, "data.val_tokens")
-        _one_of(d.text_pattern, ("phrases", "uniform"), "data.text_pattern")
     if cfg.precision.name == "fp8":
         raise MptrainError(
             f"precision=fp8 with model={m.name}: FP8 converts nn.Linear/Conv layers only, so the LSTM's "
@@ -554,6 +591,31 @@ def _validate_language_model(cfg: DictConfig) -> None:
             f"loss_scale=adaptive with model={m.name}: per-layer scales need a torch.fx graph of Conv/Linear "
             "layers, and an nn.LSTM carrying its state across batches is neither; use dynamic or static "
             "(bigLSTM used static 128)"
+        )
+
+
+def _validate_transformer_lm(cfg: DictConfig) -> None:
+    """Every GEMM is an nn.Linear and the graph traces, so FP8 and adaptive scaling are allowed,
+    except adaptive with a tied head (see below)."""
+    m, d = cfg.model, cfg.data
+    for key in ("d_model", "num_layers", "num_heads", "block_size"):
+        _at_least(m[key], 1, f"model.{key}")
+    check(
+        m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model}: must be divisible by model.num_heads={m.num_heads}",
+    )
+    _positive(m.init_std, "model.init_std")
+    # Each batch row is one context: it cannot be longer than the position embeddings.
+    check(
+        d.bptt <= m.block_size,
+        f"data.bptt={d.bptt}: longer than model.block_size={m.block_size}, the transformer's context "
+        f"length; use data.bptt <= {m.block_size} or a larger model.block_size",
+    )
+    if cfg.loss_scale.name == "adaptive" and m.tie_weights:
+        raise MptrainError(
+            f"loss_scale=adaptive with model={m.name} and model.tie_weights=true: the tied weight gets gradient "
+            "from the embedding and from lm_head, which carry different per-layer scales, and one gradient "
+            "cannot be unscaled by two; set model.tie_weights=false, or use dynamic or static"
         )
 
 

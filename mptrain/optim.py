@@ -16,19 +16,23 @@ _NO_DECAY_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm, 
 def param_groups(module: nn.Module, weight_decay: float, no_decay_bn_bias: bool) -> list[dict[str, Any]]:
     """Split parameters so that weight decay stays off norm layers and biases (when asked).
 
-    Reads ``optim.weight_decay`` and ``optim.no_decay_bn_bias`` (passed in).
+    Reads ``optim.weight_decay`` and ``optim.no_decay_bn_bias`` (passed in). A parameter shared by
+    several modules (a transformer's tied embedding and head) is listed once, without decay if any
+    of its owners says so (the embedding does), whatever order the modules come in.
     """
     if not no_decay_bn_bias or weight_decay == 0:
         return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": weight_decay}]
-    decay, no_decay = [], []
+    params: dict[int, nn.Parameter] = {}  # insertion order: deterministic groups
+    exempt: set[int] = set()
     for mod in module.modules():
         for name, p in mod.named_parameters(recurse=False):
             if not p.requires_grad:
                 continue
+            params.setdefault(id(p), p)
             if isinstance(mod, _NO_DECAY_TYPES) or name.endswith("bias") or p.ndim <= 1:
-                no_decay.append(p)
-            else:
-                decay.append(p)
+                exempt.add(id(p))
+    decay = [p for i, p in params.items() if i not in exempt]
+    no_decay = [p for i, p in params.items() if i in exempt]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 

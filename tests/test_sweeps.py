@@ -144,7 +144,9 @@ EXPERIMENTS = {
                      "precision": ["fp32", "mixed"]},
     "loss_scale_ablation": {"loss_scale": ["none", "static", "dynamic", "adaptive"]},
     "precision_sweep": {"precision": list(PRECISIONS)},
+    "transformer_lm_precision": {"precision": list(PRECISIONS)},
 }
+MODEL_OF = {"transformer_lm_precision": "transformer_lm"}  # the one model of the others: resnet50
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
@@ -165,7 +167,7 @@ def test_experiment_expands_to_its_sweep(name):
         for k, v in zip(keys, values, strict=True):
             assert job[k].name == v
         if name != "paper_table1":
-            assert job.model.name == "resnet50"  # the one model of the experiment
+            assert job.model.name == MODEL_OF.get(name, "resnet50")  # the one model of the experiment
         if name == "loss_scale_ablation":
             assert job.precision.name == "amp_fp16"
             assert job.run_name == f"resnet50-amp_fp16-{values[0]}"

@@ -68,4 +68,5 @@ def create_model(cfg: DictConfig, num_classes: int) -> nn.Module:
 # Imported last so that the builders find register_model defined (vision imports this package).
 import mptrain.models.dcgan as _dcgan  # noqa: E402, F401  (task="gan")
 import mptrain.models.lstm as _lstm  # noqa: E402, F401  (task="language_model")
+import mptrain.models.transformer as _transformer  # noqa: E402, F401  (task="language_model")
 from mptrain.models import vision  # noqa: E402, F401

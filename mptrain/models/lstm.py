@@ -32,6 +32,8 @@ class LSTMLanguageModel(nn.Module):
     it once.
     """
 
+    stateful = True  # (h, c) is carried between batches: the LM task passes it back in
+
     def __init__(
         self,
         vocab_size: int,

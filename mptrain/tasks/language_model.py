@@ -1,10 +1,13 @@
-"""Word-level language modeling with truncated BPTT: the LSTMs of Micikevicius et al. 2017 (bigLSTM).
+"""Word-level language modeling: the LSTMs of Micikevicius et al. 2017 (bigLSTM) and a GPT-style transformer.
 
-The hidden state is carried from one batch to the next (row r of batch i + 1 continues row r of
-batch i, see :mod:`mptrain.data.text`) and detached, so gradients flow through ``data.bptt`` steps
-only. It is reset at the start of every epoch and saved in the checkpoint, so a resumed run
-continues with the very state the interrupted one had. Gradient clipping by norm is the engine's
-``trainer.grad_clip``, applied to unscaled gradients (the LM configs set 0.25).
+A model says whether it carries state between batches (``model.stateful``). A stateful model (the
+LSTM) trains with truncated BPTT: its hidden state is carried from one batch to the next (row r of
+batch i + 1 continues row r of batch i, see :mod:`mptrain.data.text`) and detached, so gradients
+flow through ``data.bptt`` steps only. It is reset at the start of every epoch and saved in the
+checkpoint, so a resumed run continues with the very state the interrupted one had. A stateless
+model (the transformer) is called as ``model(tokens) -> logits``: each row of ``data.bptt`` tokens
+is one context, and there is nothing to carry. Gradient clipping by norm is the engine's
+``trainer.grad_clip``, applied to unscaled gradients (the LM configs set it).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def _detach(hidden: Hidden) -> Hidden:
 class LanguageModelTask(Task):
     """Cross-entropy of the next token; perplexity = exp(mean loss per token).
 
-    Reads ``model.*`` (the LSTM, see :mod:`mptrain.models.lstm`), ``data.*`` (see
+    Reads ``model.*`` (see :mod:`mptrain.models.lstm` and :mod:`mptrain.models.transformer`), ``data.*`` (see
     :func:`mptrain.data.text.build_text_data`) and ``trainer.seed``. Logs ``train/ppl`` beside the
     loss; ``evaluate`` returns ``loss`` and ``ppl`` on the validation stream. Throughput is in
     tokens (``batch_size`` x ``bptt`` per batch).
@@ -62,6 +65,8 @@ class LanguageModelTask(Task):
         self.objectives = [Objective("model", "model")]
         self.num_params = sum(p.numel() for p in model.parameters())
         self.tied = bool(cfg.model.tie_weights)
+        # Read once from the bare module: the engine may wrap it later (DDP, compile, adaptive).
+        self.stateful = bool(getattr(model, "stateful", True))
         self._hidden: Hidden | None = None
 
     def steps_per_epoch(self) -> int:
@@ -79,9 +84,12 @@ class LanguageModelTask(Task):
 
     def loss(self, objective: Objective, batch: TextBatch) -> tuple[Tensor, dict[str, Tensor]]:
         inputs, targets = batch
-        logits, hidden = self.modules["model"](inputs, self._hidden)
-        # Truncated BPTT: the next batch starts from this state, but no gradient flows back into it.
-        self._hidden = _detach(hidden)
+        if self.stateful:
+            logits, hidden = self.modules["model"](inputs, self._hidden)
+            # Truncated BPTT: the next batch starts from this state, but no gradient flows back into it.
+            self._hidden = _detach(hidden)
+        else:
+            logits = self.modules["model"](inputs)
         # The softmax and its sum over the vocabulary are reductions: FP32 whatever the logits are.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, {"ppl": loss.detach().exp()}
@@ -89,7 +97,8 @@ class LanguageModelTask(Task):
     @torch.no_grad()
     def evaluate(self, precision: Precision) -> dict[str, float]:
         """Loss per token and perplexity over the whole validation stream (at most
-        ``data.max_val_batches`` batches), the state carried from batch to batch; one host sync."""
+        ``data.max_val_batches`` batches), a stateful model's state carried from batch to batch; one
+        host sync."""
         model = self.modules["model"]
         was_training = model.training
         model.eval()
@@ -98,7 +107,10 @@ class LanguageModelTask(Task):
         hidden: Hidden | None = None
         for inputs, targets in self.data.val_batches():
             with precision.autocast():
-                logits, hidden = model(inputs, hidden)
+                if self.stateful:
+                    logits, hidden = model(inputs, hidden)
+                else:
+                    logits = model(inputs)
             loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
             tokens += targets.numel()
         model.train(was_training)
