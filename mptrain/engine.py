@@ -47,6 +47,7 @@ from mptrain.logger import RunLogger
 from mptrain.loss_scaling import LossScaler
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
 from mptrain.precision import MasterWeights, Precision, build_precision
+from mptrain.precision_plan import PrecisionPlan, build_plan, render
 from mptrain.scalers import build_scaler, resolve_policy
 from mptrain.tasks import Objective, Task, build_task
 from mptrain.telemetry import GradientTelemetry, build_telemetry
@@ -167,6 +168,8 @@ class Engine:
                 modules=[unwrap(m) for m in self.task.modules.values()], tag=f"telemetry{self._suffix(slot)}",
             )
 
+        self.plan = self._precision_plan() if t.precision_plan else None
+
         self.step = 0
         self.skipped = torch.zeros((), device=self.device)
         self.nonfinite_run = torch.zeros((), device=self.device)
@@ -201,6 +204,22 @@ class Engine:
         optimizer = build_optimizer(cfg.optim, groups, self.device)
         scheduler = build_scheduler(cfg.sched, optimizer, self.total_steps, self.steps_per_epoch)
         return Slot(objective, module, optimizer, scheduler, scaler, master)
+
+    def _precision_plan(self) -> PrecisionPlan:
+        """Per GEMM layer: its format, why, and its FLOPs, from one forward pass of a real batch
+        (eval mode, RNG forked, the task's carried state restored: the run itself is unchanged)."""
+        state = self.task.state_dict()
+
+        def forward() -> None:
+            batch = next(self.task.train_batches(0))
+            with self.precision.autocast():
+                self.task.loss(self.slots[0].objective, batch)
+
+        try:
+            torchao = (self.precision.fp8_state.recipe or "tensorwise") if self.precision.fp8 == "torchao" else None
+            return build_plan(self.task.modules, forward, self.precision.plan_default(), torchao=torchao)
+        finally:
+            self.task.load_state_dict(state)
 
     def _suffix(self, slot: Slot) -> str:
         return "" if len(self.slots) == 1 else f"_{slot.objective.name}"
@@ -564,6 +583,7 @@ class Engine:
             "wall_time_s": wall,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
+            "precision_plan": self.plan.to_dict() if self.plan is not None else None,
             "task": self.task.describe(),
             "versions": _versions(),
             "run_dir": str(self.run_dir),
@@ -613,6 +633,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     try:
         engine = Engine(cfg, run_dir)
         engine.guard = guard.__enter__()
+        if engine.plan is not None and engine.dist.is_main:
+            engine.logger.console.print(render(engine.plan))
         log.info(
             "%s on %s x%d | %s (%s) | loss_scale %s | %d steps, batch %d x %d micro-steps per device",
             cfg.model.name, engine.device, engine.dist.world_size, cfg.precision.name, engine.precision.resolved,

@@ -173,6 +173,21 @@ class Precision:
             return x.to(self.param_dtype)
         return x
 
+    def plan_default(self) -> tuple[str, str]:
+        """(format, reason) of a GEMM layer this mode computes in its own dtype, for the plan."""
+        if self.fp8 == "emulated":
+            compute = str(self.options.get("emulated_compute", "fp32"))
+            return compute, "not converted: computed in precision.emulated_compute"
+        if self.autocast_dtype is not None:
+            name = str(self.autocast_dtype).replace("torch.", "").replace("float16", "fp16")
+            return name, f"autocast ({self.resolved})"
+        if self.param_dtype != torch.float32:
+            name = str(self.param_dtype).replace("torch.", "").replace("float16", "fp16")
+            return name, f"{name} weights ({self.resolved})"
+        if self.allow_tf32 and self.device.type == "cuda":
+            return "tf32", "TF32 matmuls (precision=tf32)"
+        return "fp32", f"precision={self.resolved}"
+
     def describe(self) -> dict[str, Any]:
         return {
             "requested": self.requested,

@@ -1,0 +1,193 @@
+"""The precision plan: which format each GEMM layer computes in, why, and its share of the FLOPs.
+
+A layer quantized by mistake, or kept high without the user knowing, is the most common complaint
+about low-precision training tools; and a mode can convert almost nothing (torchao's float8 on
+ResNet-50 converts the classifier alone, a sliver of the FLOPs). So before training the engine
+measures one forward pass of a real batch and prints, per GEMM layer (Linear, Conv, ConvTranspose):
+its format, the reason, and its forward FLOPs; ``summary.json`` gets the same as ``precision_plan``.
+
+FLOPs are counted per layer from the shapes the layer sees (2 x multiply-accumulates), and the
+denominator is every matmul and convolution of the forward pass as ``FlopCounterMode`` counts them,
+so GEMMs outside layers (attention's QK^T and AV) count as not converted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+GEMM_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.LSTM)
+
+
+@dataclass
+class LayerPlan:
+    name: str
+    kind: str  # linear | conv2d | conv_transpose2d ...
+    format: str  # e.g. bf16, fp8 e4m3 / e5m2 grads, mxfp4, fp32
+    reason: str
+    flops: int = 0  # forward FLOPs of one step's batch (training is about 3x)
+    low_precision: bool = False  # below 16 bits (FP8/FP6/FP4): what the fraction counts
+
+
+@dataclass
+class PrecisionPlan:
+    layers: list[LayerPlan]
+    total_flops: int  # every forward matmul/convolution, layers or not
+
+    @property
+    def low_precision_flop_fraction(self) -> float:
+        low = sum(layer.flops for layer in self.layers if layer.low_precision)
+        return low / self.total_flops if self.total_flops else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layers": [asdict(layer) for layer in self.layers],
+            "total_flops": self.total_flops,
+            "low_precision_flop_fraction": self.low_precision_flop_fraction,
+        }
+
+
+_KINDS = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
+          nn.ConvTranspose2d: "conv_transpose2d", nn.LSTM: "lstm"}
+
+
+def _kind(module: nn.Module) -> str:
+    return _KINDS[next(c for c in type(module).__mro__ if c in _KINDS)]
+
+
+def gemm_layers(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
+    """Every GEMM layer of the task's networks, named ``network.layer`` when there are several."""
+    out = []
+    for net, module in modules.items():
+        inner = getattr(module, "module", module)  # DDP
+        inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper
+        for name, m in inner.named_modules():
+            if isinstance(m, GEMM_TYPES):
+                out.append((f"{net}.{name}" if len(modules) > 1 else name, m))
+    return out
+
+
+def _forward_flops(module: nn.Module, x: Tensor, y: Tensor) -> int:
+    """2 x multiply-accumulates of the layer's own GEMM, from the shapes it saw."""
+    if isinstance(module, nn.Linear):
+        return 2 * module.in_features * module.out_features * (x.numel() // module.in_features)
+    if isinstance(module, nn.LSTM):  # per layer and direction: 4 gates over [input, hidden], then the projection
+        steps = x.numel() // module.input_size
+        hidden, out = module.hidden_size, module.proj_size or module.hidden_size
+        dirs = 2 if module.bidirectional else 1
+        total = 0
+        for layer in range(module.num_layers):
+            inputs = module.input_size if layer == 0 else out * dirs
+            total += dirs * 2 * steps * (4 * hidden * (inputs + out) + (hidden * out if module.proj_size else 0))
+        return total
+    if isinstance(module, nn.modules.conv._ConvNd):
+        w = module.weight
+        if module.transposed:  # each input element meets every (out_channel/groups x kernel) weight
+            return 2 * x.numel() * (w.shape[1] * math.prod(w.shape[2:]))
+        return 2 * y.numel() * (w.shape[1] * math.prod(w.shape[2:]))
+    return 0
+
+
+@torch.no_grad()
+def measure(modules: dict[str, nn.Module], forward: Callable[[], Any]) -> tuple[dict[int, int], int]:
+    """Run ``forward`` once with hooks on every GEMM layer: (FLOPs by id(module), total FLOPs).
+
+    Eager (a compiled module runs uncompiled here, so its hooks fire and nothing recompiles), in
+    eval mode (no dropout draws), and under the caller's RNG: ``fork_rng`` keeps the run's stream.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops: dict[int, int] = {}
+
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        out = output[0] if isinstance(output, tuple) else output  # an LSTM returns (out, state)
+        if args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
+            flops[id(module)] = flops.get(id(module), 0) + _forward_flops(module, args[0], out)
+
+    layers = gemm_layers(modules)
+    handles = [m.register_forward_hook(hook) for _, m in layers]
+    was_training = {name: m.training for name, m in modules.items()}
+    counter = FlopCounterMode(display=False)
+    try:
+        for m in modules.values():
+            m.eval()
+        with torch.random.fork_rng(devices=_cuda_devices(modules)), torch.compiler.set_stance("force_eager"), counter:
+            forward()
+    finally:
+        for h in handles:
+            h.remove()
+        for name, m in modules.items():
+            m.train(was_training[name])
+    return flops, int(counter.get_total_flops())
+
+
+def _cuda_devices(modules: dict[str, nn.Module]) -> list[int]:
+    return sorted({p.device.index or 0 for m in modules.values() for p in m.parameters() if p.is_cuda})
+
+
+def layer_format(module: nn.Module, name: str, default: tuple[str, str],
+                 torchao: str | None = None, keep_high: Iterable[str] = ()) -> tuple[str, str, bool]:
+    """(format, reason, low_precision) of one layer, from what the precision did to it."""
+    spec = getattr(module, "fp8_spec", None)
+    if spec is not None:
+        scaling = "per-tensor scales" if spec.scaling == "tensor" else "no per-tensor scaling"
+        fmt = f"fp8 {spec.forward.name.lower()} / {spec.backward.name.lower()} grads"
+        return fmt, f"emulated FP8 ({scaling})", True
+    if type(module).__name__ == "Float8Linear":
+        return "fp8 (torchao)", f"torchao float8, {torchao or 'tensorwise'} recipe", True
+    decision = getattr(module, "precision_decision", None)  # set by converters that keep some layers high
+    if decision is not None:
+        return decision.format, decision.reason, decision.low_precision
+    if torchao is not None:
+        if not isinstance(module, nn.Linear):
+            return default[0], "kept high: torchao float8 converts nn.Linear only", False
+        if module.in_features % 16 or module.out_features % 16:
+            dims = f"{module.in_features}x{module.out_features}"
+            return default[0], f"kept high: {dims} is not divisible by 16 (float8 GEMMs need it)", False
+    for pattern in keep_high:
+        if fnmatch.fnmatch(name, pattern):
+            return default[0], f"kept high: precision.keep_high pattern {pattern!r}", False
+    return default[0], default[1], False
+
+
+def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], default: tuple[str, str],
+               torchao: str | None = None, keep_high: Iterable[str] = ()) -> PrecisionPlan:
+    """The plan of the task's networks after the precision prepared them. ``default``: (format,
+    reason) of a layer the mode computes in its own dtype (e.g. ("bf16", "autocast"))."""
+    flops, total = measure(modules, forward)
+    layers = []
+    for name, m in gemm_layers(modules):
+        fmt, reason, low = layer_format(m, name, default, torchao, keep_high)
+        layers.append(LayerPlan(name, _kind(m), fmt, reason, flops.get(id(m), 0), low))
+    return PrecisionPlan(layers, max(total, sum(layer.flops for layer in layers)))
+
+
+def render(plan: PrecisionPlan, title: str = "precision plan") -> Any:
+    """A rich table: one row per GEMM layer, then the low-precision share of the FLOPs."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+    for col, justify in (("layer", "left"), ("kind", "left"), ("format", "left"), ("FLOPs", "right"),
+                         ("share", "right"), ("why", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for layer in plan.layers:
+        share = layer.flops / plan.total_flops if plan.total_flops else 0.0
+        table.add_row(layer.name or "<root>", layer.kind, layer.format, _si(layer.flops), f"{share:.1%}", layer.reason)
+    table.caption = (f"{plan.low_precision_flop_fraction:.2%} of the forward FLOPs ({_si(plan.total_flops)}) "
+                     "run below 16 bits")
+    table.caption_justify = "left"
+    return table
+
+
+def _si(n: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(n) < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}E"

@@ -1,0 +1,99 @@
+"""The precision plan: per GEMM layer its format, the reason and its FLOPs, and the low-precision
+share, checked against torch's own FLOP counter and against what the precision did to the layers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import run_job, tiny
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from mptrain.precision_plan import build_plan, layer_format
+
+
+class Mixed(nn.Module):
+    """Every GEMM kind the plan counts, with groups, strides and padding, plus a bare matmul."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=4)
+        self.up = nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1)
+        self.fc = nn.Linear(4 * 16 * 16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.grouped(self.conv(x)))
+        y = self.fc(h.flatten(1))
+        return y @ y.t()  # a GEMM outside any layer: counted in the total, never converted
+
+
+def test_layer_flops_match_torchs_flop_counter_per_module():
+    model, x = Mixed(), torch.randn(2, 3, 16, 16)
+    plan = build_plan({"model": model}, lambda: model(x), ("fp32", "precision=fp32"))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(x)
+    per_module = counter.get_flop_counts()
+    for layer in plan.layers:
+        assert layer.flops == sum(per_module[f"Mixed.{layer.name}"].values()), layer.name
+    assert plan.total_flops == counter.get_total_flops()
+    assert sum(layer.flops for layer in plan.layers) < plan.total_flops  # y @ y.t() is outside
+    assert plan.low_precision_flop_fraction == 0.0
+
+
+def test_lstm_flops_are_four_gates_over_input_and_hidden_per_layer():
+    lstm, x = nn.LSTM(16, 32, num_layers=2), torch.randn(5, 3, 16)  # (time, batch, features)
+    plan = build_plan({"m": lstm}, lambda: lstm(x), ("fp32", "precision=fp32"))
+    # The gate matmuls by hand: [x_t, h_{t-1}] (16+32, then 32+32) times 4*32 gates, per token.
+    per_token = 2 * 4 * 32 * (16 + 32) + 2 * 4 * 32 * (32 + 32)
+    assert [(layer.kind, layer.flops) for layer in plan.layers] == [("lstm", 15 * per_token)]
+
+
+def test_layer_format_names_why_torchao_keeps_a_layer_high():
+    class Float8Linear(nn.Linear):  # torchao's converted class, by name
+        pass
+
+    default = ("bf16", "autocast")
+    assert layer_format(Float8Linear(32, 16), "a", default, torchao="rowwise")[2] is True
+    fmt, reason, low = layer_format(nn.Linear(2048, 100), "fc", default, torchao="rowwise")
+    assert (fmt, low) == ("bf16", False) and "2048x100 is not divisible by 16" in reason
+    assert "converts nn.Linear only" in layer_format(nn.Conv2d(3, 8, 3), "conv1", default, torchao="rowwise")[1]
+    assert "pattern 'head*'" in layer_format(nn.Linear(16, 16), "head.0", default, keep_high=["head*"])[1]
+
+
+def test_every_run_writes_its_plan(tmp_path):
+    s = run_job(tmp_path / "fp32", *tiny("alexnet", "trainer.max_steps=1"))
+    plan = s["precision_plan"]
+    assert {layer["format"] for layer in plan["layers"]} == {"fp32"}
+    assert plan["low_precision_flop_fraction"] == 0.0
+    assert [layer["kind"] for layer in plan["layers"]][:1] == ["conv2d"] and plan["layers"][-1]["kind"] == "linear"
+
+    s = run_job(tmp_path / "fp8", *tiny("alexnet", "precision=fp8", "trainer.max_steps=1"))
+    plan = s["precision_plan"]
+    assert all(layer["format"].startswith("fp8 e5m2") for layer in plan["layers"])
+    assert plan["low_precision_flop_fraction"] == pytest.approx(1.0)
+
+
+def test_transformer_attention_gemms_count_as_not_converted(tmp_path):
+    s = run_job(tmp_path, "model=transformer_lm_tiny", "precision=fp8", "data.batch_size=4", "trainer.max_steps=1")
+    plan = s["precision_plan"]
+    linear = sum(layer["flops"] for layer in plan["layers"])
+    assert all(layer["kind"] == "linear" for layer in plan["layers"])
+    # SDPA's QK^T and AV are matmuls outside any nn.Linear: the share is below 1 by exactly them.
+    fraction = plan["low_precision_flop_fraction"]
+    assert fraction == pytest.approx(linear / plan["total_flops"]) and 0.5 < fraction < 1.0
+
+
+@pytest.mark.parametrize("model", ["lstm_lm_tiny", "alexnet"])
+def test_measuring_the_plan_leaves_the_run_unchanged(tmp_path, model):
+    # One forward pass before training must not move the RNG (dropout), the data order or the
+    # LSTM's carried state: the losses are bit-identical with and without it.
+    args = [*tiny("alexnet")] if model == "alexnet" else ["model=lstm_lm_tiny", "data.batch_size=4"]
+    args += ["trainer.max_steps=3", "trainer.log_every=1"]
+    a = run_job(tmp_path / "a", *args)
+    b = run_job(tmp_path / "b", *args, "trainer.precision_plan=false")
+    assert b["precision_plan"] is None and a["precision_plan"]["layers"]
+    assert json.dumps(a["final_loss"]) == json.dumps(b["final_loss"])
