@@ -176,10 +176,12 @@ def _nbytes(obj: Any) -> int:
 
 
 def compute_dtype(precision: Any) -> str:
-    """The dtype the matmuls and convolutions of a resolved precision run in (for the peak)."""
+    """The dtype the peak (and so MFU) is taken against. torchao float8 converts only some Linear
+    layers and runs the rest in bf16, so its MFU is against the bf16 peak, as torchtitan reports it;
+    the cell's ``low_precision_flop_fraction`` says how much of the work ran in FP8."""
     resolved = precision.resolved
     if precision.fp8 == "torchao":
-        return "fp8"
+        return "bf16"
     if precision.fp8 == "emulated":
         return "bf16" if precision.options.get("emulated_compute") == "bf16" else "fp32"
     if resolved == "tf32":
@@ -544,6 +546,10 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
             "units_per_step": units,
             "unit": engine.task.unit,
             "optimizer": type(optimizer).__name__ + _impl_label(optimizer, device),
+            # What ran in low precision: the plan the engine measured (null with precision_plan off).
+            "low_precision_flop_fraction": engine.plan.low_precision_flop_fraction if engine.plan else None,
+            "low_precision_layers": [layer.name for layer in engine.plan.layers if layer.low_precision]
+            if engine.plan else None,
         })
 
         eng = EngineRunner(engine)
@@ -764,7 +770,10 @@ def variants_for(cfg: DictConfig, paths: list[str], compile_mode: str, telemetry
 
 # Precision names the harness accepts beyond the config group's: a mode with a non-default option,
 # so one grid can hold both FP8 backends.
-PRECISION_ALIASES = {"fp8_torchao": ["precision=fp8", "precision.backend=torchao"]}
+PRECISION_ALIASES = {
+    "fp8_torchao": ["precision=fp8", "precision.backend=torchao", "precision.recipe=tensorwise"],
+    "fp8_torchao_rowwise": ["precision=fp8", "precision.backend=torchao", "precision.recipe=rowwise"],
+}
 
 
 def base_overrides(model: str, precision: str, batch: int, args: argparse.Namespace) -> list[str]:
@@ -889,7 +898,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     cuda = result["meta"]["device"] == "cuda"
     main_header = ["model", "precision", "batch", "variant", "step ms", "per s", "bare step ms", "bare per s",
                    "engine/bare", "paired", "min", "spread", "vs fp32"] + (["vs tf32"] if cuda else []) + [
-        "peak MiB", "bare MiB", "mem vs fp32", "MFU", "bare MFU", "GFLOP/step", "loss diff"]
+        "peak MiB", "bare MiB", "mem vs fp32", "MFU", "bare MFU", "GFLOP/step", "<16-bit FLOPs", "loss diff"]
     rows = []
     for r in recs:
         spread = max(v for v in (r["spread"], r["bare_spread"]) if v is not None) if r["spread"] is not None else None
@@ -904,7 +913,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     + [_mib(r["peak_memory_bytes"]), _mib(r["bare_peak_memory_bytes"]), _x(r["memory_vs_fp32"]),
                        _pct(r["mfu"]), _pct(r["bare_mfu"]),
                        "-" if not r["flops_per_step"] else f"{r['flops_per_step'] / 1e9:,.1f}",
-                       _diff(r["loss_max_rel_diff"])])
+                       _pct(r.get("low_precision_flop_fraction")), _diff(r["loss_max_rel_diff"])])
     out = [("engine vs bare loop: median of timed windows; per s = samples/s (tokens/s for a language model)",
             main_header, rows)]
 

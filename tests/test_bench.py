@@ -76,6 +76,8 @@ def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
     assert cells["amp_bf16"]["compute_dtype"] == "bf16" and cells["fp32"]["compute_dtype"] == "fp32"
     # FLOPs do not depend on the precision: counted once, shared.
     assert cells["fp32"]["flops_per_step"] == cells["amp_bf16"]["flops_per_step"]
+    # The plan says what ran below 16 bits: nothing here (bf16 is 16 bits).
+    assert cells["amp_bf16"]["low_precision_flop_fraction"] == 0.0 and cells["amp_bf16"]["low_precision_layers"] == []
     # The markdown carries the stamp and the table.
     md = (out / "result.md").read_text()
     assert meta["date"] in md and "engine/bare" in md and torch.__version__ in md
