@@ -151,6 +151,13 @@ def test_short_run_ending_non_finite_is_diverged_not_completed(tmp_path):
     assert r.stderr.strip().splitlines()[-1].startswith("mptrain: diverged: the final loss is nan")
 
 
+def test_deterministic_switches_torchs_flags_for_the_run_and_off_again(tmp_path):
+    run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=1", "trainer.deterministic=true"))
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    run_job(tmp_path / "b", *tiny("alexnet", "trainer.max_steps=1"))  # a process-wide flag: every run sets it
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=1"))
     ckpt = checkpoint.list_checkpoints(tmp_path / "a")[-1]
