@@ -151,7 +151,7 @@ def round_to_element(
         # E4M3FN, saturates) by its own rule, so the saturation is done here, explicitly.
         q = xf.clamp(-fmt.max_normal, fmt.max_normal).to(fmt.torch_dtype).float()
     else:
-        q = _round_generic(xf, fmt, generator if stochastic else None)
+        q = _round_generic(xf, fmt, stochastic, generator)
     if not saturate:
         a = xf.abs()
         # Past max + half an ulp, round-to-nearest leaves the format (the tie goes up: the even
@@ -163,16 +163,19 @@ def round_to_element(
     return q
 
 
-def round_generic(x: Tensor, fmt: ElementFormat) -> Tensor:
-    """Round-to-nearest-even by arithmetic, for any format (also those torch has a dtype for).
+def round_generic(
+    x: Tensor, fmt: ElementFormat, *, stochastic: bool = False, generator: torch.Generator | None = None
+) -> Tensor:
+    """The rounding of ``round_to_element`` by arithmetic alone (saturating), for any format.
 
-    ``round_to_element`` casts where torch can; this is the same rounding without the cast, which
-    the tests compare with torch's casts.
+    ``round_to_element`` casts where torch can; this is the same round-to-nearest-even without the
+    cast (the tests compare the two). With ``stochastic`` and no generator it draws from the global
+    RNG: only for mptrain.fp8's Mellempudi recipe, whose rounding always did.
     """
-    return _round_generic(x.float(), fmt, None)
+    return _round_generic(x.float(), fmt, stochastic, generator)
 
 
-def _round_generic(xf: Tensor, fmt: ElementFormat, generator: torch.Generator | None) -> Tensor:
+def _round_generic(xf: Tensor, fmt: ElementFormat, stochastic: bool, generator: torch.Generator | None) -> Tensor:
     # Written by hand: torch has no FP6/FP4 cast (float4_e2m1fn_x2 is storage only) and no
     # stochastic-rounding cast at all. Every step is exact in FP32: a is scaled by powers of two
     # so that the format's spacing at a becomes 1, rounded to an integer, and scaled back.
@@ -180,7 +183,7 @@ def _round_generic(xf: Tensor, fmt: ElementFormat, generator: torch.Generator | 
     _, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1): floor(log2(a)) = e - 1 (exact, subnormals too)
     e = (e - 1).clamp(min=fmt.emin)  # below the smallest normal the spacing is the subnormal one
     scaled = a * exp2i(-e) * float(2**fmt.mbits)  # two exact steps: 2**(mbits - e) may exceed FP32
-    if generator is None:
+    if not stochastic:
         r = torch.round(scaled)  # ties to even: "even integer" is "even mantissa"
     else:
         down = torch.floor(scaled)
