@@ -109,7 +109,7 @@ class QuantizedBlocks:
     tensor_scale: Tensor | None  # NVFP4: the FP32 per-tensor scale (0-dim)
     padded: int  # zeros appended along the blocked dim(s) to fill the last block
     flushed: Tensor | None = None  # nonzero finite inputs stored as 0
-    saturated: Tensor | None = None  # finite inputs past the element's max, clamped to it
+    saturated: Tensor | None = None  # finite inputs past the block's largest value, clamped to it
     nonzero: Tensor | None = None  # nonzero finite inputs (the flushed fraction's denominator)
 
     @property
@@ -182,7 +182,10 @@ def quantize_blocks(
         ok = finite & (blocks != 0)
         out.nonzero = ok.sum()
         out.flushed = (ok & (q == 0)).sum()
-        out.saturated = (finite & (scaled.abs() > fmt.element.max_normal)).sum()
+        # Past the largest value the block can hold (the element max times the block's scales),
+        # compared in x's units: a reciprocal-scaled 6.0000005 that is really 6 does not count.
+        top = fmt.element.max_normal * (t_scale * s_block if s_block is not None else exp2i(exps.clamp(max=E8M0_BIAS)))
+        out.saturated = (finite & (blocks.abs() > top.unsqueeze(-1))).sum()
     return out
 
 
