@@ -575,8 +575,9 @@ def _validate_language_model(cfg: DictConfig) -> None:
         _one_of(d.text_pattern, ("phrases", "uniform"), "data.text_pattern")
     if cfg.precision.name in ("fp8", "mx"):
         raise MptrainError(
-            f"precision={cfg.precision.name} with model={m.name}: it converts nn.Linear/Conv layers only, so "
-            "the LSTM's gate matmuls would silently stay in higher precision; use amp_fp16, amp_bf16 or fp16_master"
+            f"precision={cfg.precision.name} with model={m.name}: {cfg.precision.name.upper()} converts "
+            "nn.Linear/Conv layers only, so the LSTM's gate matmuls would silently stay in higher precision; "
+            "use amp_fp16, amp_bf16 or fp16_master"
         )
     if cfg.loss_scale.name == "adaptive":
         raise MptrainError(

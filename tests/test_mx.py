@@ -406,6 +406,12 @@ def test_bad_mx_options_are_one_line_errors(override: str, message: str) -> None
         validate(cfg)
 
 
+def test_mx_is_refused_for_the_lstm_lm() -> None:
+    cfg = make_cfg("model=lstm_lm_tiny", "precision=mx")
+    with pytest.raises(MptrainError, match=r"precision=mx with model=lstm_lm_tiny: MX converts nn\.Linear/Conv"):
+        validate(cfg)
+
+
 def test_mx_needs_no_loss_scale_and_describes_its_layers() -> None:
     from mptrain.scalers import resolve_policy
 
