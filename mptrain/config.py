@@ -260,6 +260,9 @@ class TelemetryConfig:
     formats: list[str] = field(default_factory=lambda: ["auto"])  # auto | fp16 | bf16 | e5m2 | e4m3
     max_underflow: float = 0.01  # at risk above this underflow/lost fraction; also the report's p
     margin_bits: float = 1.0  # at risk below this headroom; the suggested scale keeps it
+    # Block formats measured on the hooked layers' activations, weights and gradients (flushed and
+    # saturated fractions, SNR, block-scale exponents), in any precision; precision=mx adds its own.
+    compare_formats: list[str] = field(default_factory=list)  # mxfp8 | mxfp8_e5m2 | mxfp6 | ... | nvfp4
 
 
 TELEMETRY_FORMATS = ("auto", "fp16", "bf16", "e5m2", "e4m3")
@@ -278,6 +281,12 @@ def check_telemetry(cfg: Any) -> None:
         check(f in TELEMETRY_FORMATS, f"telemetry.formats: {f!r} must be one of {', '.join(TELEMETRY_FORMATS)}")
     check(0 <= cfg.max_underflow < 1, f"telemetry.max_underflow={cfg.max_underflow}: must be in [0, 1)")
     check(cfg.margin_bits >= 0, f"telemetry.margin_bits={cfg.margin_bits}: must be >= 0")
+    for f in cfg.compare_formats:
+        check(f in MX_FORMATS, f"telemetry.compare_formats: {f!r} must be one of {', '.join(MX_FORMATS)}")
+    check(
+        cfg.name != "off" or not cfg.compare_formats,
+        "telemetry.compare_formats needs telemetry=gradients (it measures on the telemetry's sampled steps)",
+    )
 
 
 # --------------------------------------------------------------------------------------------
