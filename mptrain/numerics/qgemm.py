@@ -26,9 +26,10 @@ The products are computed in ``compute_dtype`` on ``local`` values (elements tim
 exact in bf16 for every format here) and multiplied by the operands' per-tensor scales afterwards,
 as the hardware applies them (NVFP4's global scales; MX and row-wise FP8 have none).
 
-Written by hand: torchao's MX/NVFP4 training paths run on CUDA only and fix the layout
-(last-dim blocks, no Conv2d, no FP6 in training); here every format, both layers, stochastic
-rounding and the Hadamard transform run anywhere, on plain tensors.
+Written by hand: torchao's mx_formats quantizers (the tests' reference) take contiguous tensors
+blocked along the last dim, lengths divisible by the block, and its MX/NVFP4 training covers
+nn.Linear; here any dim, padding, Conv2d, stochastic rounding and the Hadamard transform run on
+plain tensors on any device.
 """
 
 from __future__ import annotations
