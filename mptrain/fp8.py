@@ -5,7 +5,7 @@ Selected by ``precision=fp8``; options ``precision.backend`` (emulated | torchao
 ``precision.master_weights`` (fp16 | fp32), ``precision.stochastic_rounding``,
 ``precision.emulated_compute`` (fp32 | bf16) and, for torchao, ``precision.recipe``.
 
-Two recipes (``precision.scaling``):
+Three recipes (``precision.scaling``):
 
 - ``loss`` (the default): Mellempudi et al. 2019 as written. Tensors are rounded to E5M2 as they
   are, with no per-tensor rescaling, so the loss scale is what moves errors and gradients into
