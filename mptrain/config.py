@@ -143,10 +143,29 @@ class FP8PrecisionConfig(PrecisionConfig):
     backend: str = "emulated"  # emulated | torchao
     recipe: str = "tensorwise"  # torchao: tensorwise | rowwise | rowwise_with_gw_hp
     format: str = "e5m2"  # emulated: e5m2 (the paper's 1-5-2 everywhere) | hybrid (E4M3 fwd, E5M2 bwd)
-    scaling: str = "loss"  # emulated: loss (Mellempudi et al.: no per-tensor scales) | tensor (current scaling)
+    # emulated: loss (Mellempudi et al.: no per-tensor scales) | tensor (current scaling) | rowwise (a
+    # power-of-two scale per row along each GEMM's reduction dim, as torchao's rowwise recipe)
+    scaling: str = "loss"
     master_weights: str = "fp16"  # emulated: fp16 (Mellempudi et al.) | fp32
     stochastic_rounding: bool = True  # emulated: stochastic rounding of gradients and master weights
     emulated_compute: str = "fp32"  # emulated: dtype the quantized values are multiplied in
+
+
+@dataclass
+class MXPrecisionConfig(PrecisionConfig):
+    """Emulated OCP MX / NVFP4 GEMMs (mptrain/numerics). A null option takes the format's recipe
+    default: NVFP4's (arXiv 2509.25149) for nvfp4, the OCP spec's plain conversion for MX formats."""
+
+    format: str = "mxfp8"  # mxfp8 | mxfp8_e5m2 | mxfp6 | mxfp6_e3m2 | mxfp4 | nvfp4
+    stochastic_rounding: bool | None = None  # gradients (null: nvfp4 yes, MX no)
+    hadamard: bool | None = None  # random Hadamard transform on both wgrad operands (null: nvfp4 yes)
+    weight_2d_blocks: bool | None = None  # square weight tiles, 16x16 for nvfp4 (null: nvfp4 yes)
+    keep_high: list[str] = field(default_factory=list)  # fnmatch patterns of layer names kept high
+    keep_first: int = 0  # first GEMM layers kept high
+    keep_last: int | None = None  # last GEMM layers kept high (null: nvfp4 the last 15%, MX none)
+    pad_blocks: bool = True  # zero-pad reduction dims to the block; false: such layers stay high
+    emulated_compute: str = "fp32"  # fp32 | bf16: dtype the quantized values are multiplied in
+    seed: int = 0  # stochastic rounding and Hadamard signs (their own generators, not the global RNG)
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +279,9 @@ class TelemetryConfig:
     formats: list[str] = field(default_factory=lambda: ["auto"])  # auto | fp16 | bf16 | e5m2 | e4m3
     max_underflow: float = 0.01  # at risk above this underflow/lost fraction; also the report's p
     margin_bits: float = 1.0  # at risk below this headroom; the suggested scale keeps it
+    # Block formats measured on the hooked layers' activations, weights and gradients (flushed and
+    # saturated fractions, SNR, block-scale exponents), in any precision; precision=mx adds its own.
+    compare_formats: list[str] = field(default_factory=list)  # mxfp8 | mxfp8_e5m2 | mxfp6 | ... | nvfp4
 
 
 TELEMETRY_FORMATS = ("auto", "fp16", "bf16", "e5m2", "e4m3")
@@ -278,6 +300,12 @@ def check_telemetry(cfg: Any) -> None:
         check(f in TELEMETRY_FORMATS, f"telemetry.formats: {f!r} must be one of {', '.join(TELEMETRY_FORMATS)}")
     check(0 <= cfg.max_underflow < 1, f"telemetry.max_underflow={cfg.max_underflow}: must be in [0, 1)")
     check(cfg.margin_bits >= 0, f"telemetry.margin_bits={cfg.margin_bits}: must be >= 0")
+    for f in cfg.compare_formats:
+        check(f in MX_FORMATS, f"telemetry.compare_formats: {f!r} must be one of {', '.join(MX_FORMATS)}")
+    check(
+        cfg.name != "off" or not cfg.compare_formats,
+        "telemetry.compare_formats needs telemetry=gradients (it measures on the telemetry's sampled steps)",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,7 +355,9 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "transformer_lm": TransformerLMConfig,
         "dcgan": DCGANConfig,
     },
-    "precision": {"base": PrecisionConfig, "bf16_pure": BF16PureConfig, "fp8": FP8PrecisionConfig},
+    "precision": {
+        "base": PrecisionConfig, "bf16_pure": BF16PureConfig, "fp8": FP8PrecisionConfig, "mx": MXPrecisionConfig,
+    },
     "loss_scale": {
         "base": LossScaleConfig,
         "static": StaticLossScaleConfig,
@@ -366,7 +396,8 @@ def register_configs() -> None:
 # --------------------------------------------------------------------------------------------
 # value checks
 
-PRECISIONS = ("fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8")
+PRECISIONS = ("fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8", "mx")
+MX_FORMATS = ("mxfp8", "mxfp8_e5m2", "mxfp6", "mxfp6_e3m2", "mxfp4", "nvfp4")
 LOSS_SCALES = ("none", "auto", "static", "dynamic", "enhanced", "adaptive")
 
 
@@ -467,9 +498,17 @@ def validate(cfg: DictConfig) -> None:
         _one_of(p.backend, ("emulated", "torchao"), "precision.backend")
         _one_of(p.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "precision.recipe")
         _one_of(p.format, ("e5m2", "hybrid"), "precision.format")
-        _one_of(p.scaling, ("loss", "tensor"), "precision.scaling")
+        _one_of(p.scaling, ("loss", "tensor", "rowwise"), "precision.scaling")
         _one_of(p.master_weights, ("fp16", "fp32"), "precision.master_weights")
         _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
+    if p.name == "mx":
+        _one_of(p.format, MX_FORMATS, "precision.format")
+        _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
+        _at_least(p.keep_first, 0, "precision.keep_first")
+        _at_least(p.keep_last, 0, "precision.keep_last", allow_none=True)
+        _at_least(p.seed, 0, "precision.seed")
+        for pattern in p.keep_high:
+            check(bool(pattern), "precision.keep_high: an empty pattern; give layer names or fnmatch patterns")
 
     ls = cfg.loss_scale
     _one_of(ls.name, LOSS_SCALES, "loss_scale.name")
@@ -582,10 +621,11 @@ def _validate_lstm_lm(cfg: DictConfig) -> None:
         f"model.tie_weights=true needs model.emb_size ({m.emb_size}) == the LSTM output size ({out}, "
         "model.proj_size or model.hidden_size); set them equal or model.tie_weights=false",
     )
-    if cfg.precision.name == "fp8":
+    if cfg.precision.name in ("fp8", "mx"):
         raise MptrainError(
-            f"precision=fp8 with model={m.name}: FP8 converts nn.Linear/Conv layers only, so the LSTM's "
-            "gate matmuls would silently stay in higher precision; use amp_fp16, amp_bf16 or fp16_master"
+            f"precision={cfg.precision.name} with model={m.name}: {cfg.precision.name.upper()} converts "
+            "nn.Linear/Conv layers only, so the LSTM's gate matmuls would silently stay in higher precision; "
+            "use amp_fp16, amp_bf16 or fp16_master"
         )
     if cfg.loss_scale.name == "adaptive":
         raise MptrainError(

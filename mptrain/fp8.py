@@ -1,11 +1,11 @@
 """FP8 training: exact FP8 numerics, emulated FP8 layers (Mellempudi et al. 2019), and torchao.
 
 Selected by ``precision=fp8``; options ``precision.backend`` (emulated | torchao),
-``precision.scaling`` (loss | tensor), ``precision.format`` (e5m2 | hybrid),
+``precision.scaling`` (loss | tensor | rowwise), ``precision.format`` (e5m2 | hybrid),
 ``precision.master_weights`` (fp16 | fp32), ``precision.stochastic_rounding``,
 ``precision.emulated_compute`` (fp32 | bf16) and, for torchao, ``precision.recipe``.
 
-Two recipes (``precision.scaling``):
+Three recipes (``precision.scaling``):
 
 - ``loss`` (the default): Mellempudi et al. 2019 as written. Tensors are rounded to E5M2 as they
   are, with no per-tensor rescaling, so the loss scale is what moves errors and gradients into
@@ -16,6 +16,11 @@ Two recipes (``precision.scaling``):
   every quantisation gets its own power-of-two scale from the tensor's amax. E5M2 rounding is
   invariant under a power-of-two rescaling, so here the loss scale has no effect on the rounded
   values at all.
+- ``rowwise``: torchao's ``rowwise`` recipe: one power-of-two scale per row along each GEMM's
+  reduction dim (Linear and Conv2d; ``mptrain.numerics.qgemm``), so the input and the error are
+  each quantized twice, once per GEMM that reads them (x along in_features for the forward and
+  along tokens for the weight gradient), and the weight gradient itself stays in high precision,
+  as torchao leaves it. ConvTranspose2d has no row-wise emulation and stays high (recorded).
 
 Numerics (usable on their own):
 
@@ -26,6 +31,8 @@ Numerics (usable on their own):
 - ``tensor_scale(x, fmt)`` / ``quantize_scaled``: per-tensor power-of-two scaling, computed on
   the device (no host sync).
 
+Rounding is ``mptrain.numerics.formats``' (one implementation for FP8, FP6, FP4, FP16 and BF16).
+
 Emulated training: ``convert_model`` swaps every nn.Linear, nn.Conv2d and nn.ConvTranspose2d for
 a subclass that quantizes weights and input activations (round-to-nearest, saturating; E5M2, or
 E4M3 for ``format=hybrid``) and, in backward, the error (grad wrt output) and the weight gradient
@@ -34,7 +41,8 @@ hardware accumulates in higher precision. ``Fp8State.after_step`` keeps FP16 mas
 network of a task (a GAN's generator and discriminator) is converted into the same state.
 
 This module does not import the precision object: ``convert_model`` takes the options and returns
-the state that ``mptrain.precision.Precision`` keeps.
+the state that ``mptrain.precision.Precision`` keeps. Its ``decisions`` list says, for every GEMM
+layer, what it computes in and why (``mptrain.numerics.convert.LayerDecision``).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +59,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
+from mptrain.numerics import formats as nf
+from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed
+from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +100,8 @@ FP16 = Fp8Format("fp16", 5, 10, -14, 65504.0, torch.float16)
 BF16 = Fp8Format("bf16", 8, 7, -126, float(torch.finfo(torch.bfloat16).max), torch.bfloat16)
 
 _BY_DTYPE = {f.dtype: f for f in (E5M2, E4M3, FP16, BF16)}
+# The same formats as mptrain.numerics describes them, for its rounding.
+_ELEMENT = {E5M2: nf.E5M2, E4M3: nf.E4M3, FP16: nf.FP16, BF16: nf.BF16}
 _BY_NAME = {f.name: f for f in (E5M2, E4M3, FP16, BF16)} | {"e4m3": E4M3, "float16": FP16, "bfloat16": BF16}
 
 
@@ -102,12 +115,7 @@ def as_format(fmt: Fp8Format | torch.dtype | str) -> Fp8Format:
     return found
 
 
-def _exp2i(k: Tensor) -> Tensor:
-    """2**k as float32 for integer-valued k in [-126, 127], built from the exponent bits.
-
-    Exact by construction (torch.exp2 need not be exact for integer arguments).
-    """
-    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+_exp2i = nf.exp2i  # 2**k as float32, exact
 
 
 def _work(x: Tensor) -> Tensor:
@@ -141,11 +149,9 @@ def quantize(
 
 
 def _native_round(xf: Tensor, fmt: Fp8Format, saturate: bool = True) -> Tensor:
-    # torch's own cast rounds to nearest-even with subnormals, but overflows (E5M2, FP16: Inf
-    # past max + half an ulp) instead of saturating, so clamp first (clamp keeps NaN).
-    if saturate:
-        xf = xf.clamp(-fmt.max, fmt.max)
-    return xf.to(fmt.dtype).to(xf.dtype)
+    # numerics' round-to-nearest-even: torch's cast, saturating or (saturate=False) overflowing to
+    # Inf past max + half an ulp as an IEEE cast does.
+    return nf.round_to_element(xf, _ELEMENT[fmt], saturate=saturate).to(xf.dtype)
 
 
 def stochastic_round(
@@ -160,25 +166,19 @@ def stochastic_round(
 
     eps is the grid spacing at x (the subnormal spacing below the smallest normal), so
     E[round(x)] = x (Mellempudi et al. 2019). Saturates at +-max (with ``saturate=False``,
-    |x| > max becomes +-Inf); NaN stays NaN. ``scale`` as in ``quantize``. Written by hand: torch
-    has no stochastic-rounding cast.
+    |x| > max becomes +-Inf); NaN stays NaN. ``scale`` as in ``quantize``. The rounding is
+    ``mptrain.numerics.formats.round_generic`` (torch has no stochastic-rounding cast).
     """
     fmt = as_format(fmt_or_dtype)
     xf = _work(x)
     if scale is not None:
         q = stochastic_round(xf * scale, fmt, generator, saturate=saturate) / scale
         return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
-    a = xf.abs().clamp(max=fmt.max)
-    _, e = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): floor(log2(a)) = e - 1
-    e = (e - 1).clamp(fmt.min_exp, 127)  # below min normal the spacing is the subnormal one
-    eps = _exp2i(e) * 2.0**-fmt.mantissa_bits  # exact: a power of two >= 2**-133
-    down = torch.floor(a / eps) * eps
-    p_up = (a - down) / eps  # exact: a and down share a binade, eps is a power of two
-    u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-    r = torch.copysign(down + eps * (u < p_up), xf)  # max is a grid point: down + eps <= max
+    # The global RNG when no generator is given: this recipe always drew from it.
+    r = nf.round_generic(xf, _ELEMENT[fmt], stochastic=True, generator=generator)
     if not saturate:
         r = torch.where(xf.abs() > fmt.max, torch.copysign(torch.full_like(r, math.inf), xf), r)
-    return torch.where(torch.isnan(xf), xf, r).to(x.dtype)
+    return r.to(x.dtype)
 
 
 def tensor_scale(x: Tensor, fmt: Fp8Format | torch.dtype) -> Tensor:
@@ -225,7 +225,16 @@ class Fp8LayerSpec:
     backward: Fp8Format = E5M2  # errors and weight gradients
     stochastic: bool = True  # stochastic rounding of errors and weight gradients
     compute_dtype: torch.dtype = torch.float32  # precision.emulated_compute
-    scaling: str = "loss"  # precision.scaling: loss (Mellempudi et al.) | tensor (per-tensor scales)
+    scaling: str = "loss"  # precision.scaling: loss (Mellempudi et al.) | tensor | rowwise
+    rng: RngStreams | None = field(default=None, compare=False)  # rowwise: stochastic rounding's generators
+
+    def gemm_recipe(self) -> GemmRecipe:
+        """scaling=rowwise: the quantized-GEMM recipe (forward format for inputs and weights,
+        backward format for errors, per-row power-of-two scales)."""
+        q = AxiswiseQuantizer(
+            _ELEMENT[self.forward], _ELEMENT[self.backward], self.stochastic, self.rng or RngStreams(0)
+        )
+        return GemmRecipe(quantizer=q, compute_dtype=self.compute_dtype)
 
     def round_operand(self, x: Tensor) -> Tensor:
         """Weights and activations: round to nearest, saturating at the forward format's max."""
@@ -311,7 +320,11 @@ class _Fp8Mixin:
 class Fp8Linear(_Fp8Mixin, nn.Linear):
     """nn.Linear with emulated FP8 operands (see module docstring)."""
 
+    fp8_recipe: GemmRecipe | None = None  # scaling=rowwise
+
     def forward(self, input: Tensor) -> Tensor:
+        if self.fp8_recipe is not None:
+            return QuantLinearFn.apply(input, self.weight, self.bias, self.fp8_recipe)
         x, w, b = self._fp8_operands(input)
         return self._fp8_output(F.linear(x, w, b), input)
 
@@ -319,7 +332,13 @@ class Fp8Linear(_Fp8Mixin, nn.Linear):
 class Fp8Conv2d(_Fp8Mixin, nn.Conv2d):
     """nn.Conv2d with emulated FP8 operands (see module docstring)."""
 
+    fp8_recipe: GemmRecipe | None = None  # scaling=rowwise
+
     def forward(self, input: Tensor) -> Tensor:
+        if self.fp8_recipe is not None:
+            return QuantConv2dFn.apply(
+                input, self.weight, self.bias, self.fp8_recipe, self.stride, self.padding, self.dilation
+            )
         x, w, b = self._fp8_operands(input)
         return self._fp8_output(self._conv_forward(x, w, b), input)
 
@@ -371,15 +390,23 @@ class Fp8State:
     recipe: str | None = None  # precision.recipe (torchao)
     master_weights: str = "fp32"  # precision.master_weights (emulated)
     stochastic_rounding: bool = False
+    rng: RngStreams | None = field(default=None, repr=False)  # scaling=rowwise: stochastic rounding's generators
     # The converted models themselves, not lists of their parameters: a later .to() or
     # load_state_dict(assign=True) may replace Parameter objects.
     models: list[nn.Module] = field(default_factory=list, repr=False)
     networks: dict[str, list[str]] = field(default_factory=dict)  # network name -> its layers
+    decisions: list[LayerDecision] = field(default_factory=list)  # every GEMM layer: format or high, and why
+    _decisions: dict[str, list[LayerDecision]] = field(default_factory=dict, repr=False)
 
-    def add(self, name: str, model: nn.Module, layers: list[str]) -> None:
+    def add(self, name: str, model: nn.Module, layers: list[str], decisions: list[LayerDecision] | None = None) -> None:
         while name in self.networks:  # two networks of one class
             name += "'"
         self.networks[name] = layers
+        self._decisions[name] = list(decisions or [])
+        self.decisions = (
+            list(self._decisions[name]) if len(self.networks) == 1
+            else [d for net, ds in self._decisions.items() for d in prefixed(net, ds)]
+        )  # fmt: skip
         self.models.append(model)
         # One network: layer names as they are; several: prefixed by the network.
         self.converted = (
@@ -397,6 +424,7 @@ class Fp8State:
             "stochastic_rounding": self.stochastic_rounding,
             "converted": list(self.converted),
             "networks": {k: list(v) for k, v in self.networks.items()},
+            "decisions": [asdict(d) for d in self.decisions],
         }
 
     @torch.no_grad()
@@ -412,7 +440,7 @@ class Fp8State:
 
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
-SCALINGS = ("loss", "tensor")
+SCALINGS = ("loss", "tensor", "rowwise")
 
 
 def convert_model(
@@ -448,19 +476,34 @@ def convert_model(
     if scaling not in SCALINGS:
         raise MptrainError(f"precision.scaling={scaling!r}: must be one of {', '.join(SCALINGS)}")
     stochastic = bool(options.get("stochastic_rounding", True))
+    rng = state.rng if state is not None and state.rng is not None else RngStreams(int(options.get("seed", 0) or 0))
     spec = Fp8LayerSpec(
-        forward=forward, backward=E5M2, stochastic=stochastic, compute_dtype=_COMPUTE[compute], scaling=scaling
-    )
+        forward=forward, backward=E5M2, stochastic=stochastic, compute_dtype=_COMPUTE[compute], scaling=scaling,
+        rng=rng if scaling == "rowwise" else None,
+    )  # fmt: skip
+    recipe = spec.gemm_recipe() if scaling == "rowwise" else None
+    label = f"fp8_{fmt_name}"
 
-    converted = []
+    converted, decisions = [], []
     for name, module in model.named_modules():
+        kind = gemm_kind(module)
         cls = _EMULATED.get(type(module))
-        if cls is None:
+        if cls is None or (recipe is not None and cls is Fp8ConvTranspose2d):
+            if kind is not None and not any(name.startswith(d.name + ".") for d in decisions if d.name):
+                why = (
+                    "no row-wise emulation for ConvTranspose2d" if cls is not None
+                    else "a subclass with its own forward" if isinstance(module, tuple(_EMULATED))
+                    else f"no FP8 emulation for {type(module).__name__}"
+                )  # fmt: skip
+                decisions.append(LayerDecision(name, kind, "high", why))
             continue
         # Swapping the class keeps the very same parameters, names, hooks and device.
         module.__class__ = cls
         module.fp8_spec = spec  # type: ignore[assignment]
+        if recipe is not None:
+            module.fp8_recipe = recipe  # type: ignore[assignment]
         converted.append(name)
+        decisions.append(LayerDecision(name, kind or type(module).__name__.lower(), label, f"scaling={scaling}"))
     if not converted:
         log.warning(
             "precision=fp8 (emulated): the model has no Linear/Conv2d/ConvTranspose2d layer to convert"
@@ -469,9 +512,9 @@ def convert_model(
     if state is None:
         state = Fp8State(
             backend="emulated", format=fmt_name, scaling=scaling, master_weights=masters,
-            stochastic_rounding=stochastic,
+            stochastic_rounding=stochastic, rng=rng,
         )  # fmt: skip
-    state.add(type(model).__name__, model, converted)
+    state.add(type(model).__name__, model, converted, decisions)
     if masters == "fp16":
         # The master copy starts as FP16 too, as if the model had been cast.
         with torch.no_grad():
@@ -522,8 +565,13 @@ def _convert_torchao(
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    decisions = [
+        LayerDecision(n, kind, f"torchao_{recipe}", "Float8Linear") if n in converted
+        else LayerDecision(n, kind, "high", "not an nn.Linear with in/out features divisible by 16")
+        for n, m in model.named_modules() if (kind := gemm_kind(m)) is not None or n in converted
+    ]  # fmt: skip
     if state is None:
         state = Fp8State(backend="torchao", recipe=recipe)
-    state.add(type(model).__name__, model, converted)
+    state.add(type(model).__name__, model, converted, decisions)
     log.info("fp8 torchao (%s): %d Linear layers converted: %s", recipe, len(converted), ", ".join(converted))
     return model, state

@@ -12,7 +12,8 @@ Every mode goes through the same engine path; this object supplies the differenc
 
 Modes (``precision.name``): fp32 (TF32 off: a true baseline), tf32, amp_fp16, amp_bf16, mixed
 (the fastest half type the device computes natively, see ``mptrain.hardware``: amp_fp16 on CUDA,
-amp_bf16 on a CPU with AVX512-BF16/AMX, fp32 on other CPUs), fp16_master, bf16_pure, fp8.
+amp_bf16 on a CPU with AVX512-BF16/AMX, fp32 on other CPUs), fp16_master, bf16_pure, fp8, mx
+(emulated OCP MX / NVFP4 GEMMs, ``mptrain.numerics``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Precision:
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
     fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
+    mx: str | None = None  # precision=mx: the block format (mxfp8, ..., nvfp4)
+    mx_state: Any = None  # owned by mptrain.numerics.convert (the per-layer decisions)
     capability: DeviceCapability | None = None  # what the device computes natively (build_precision sets it)
 
     @property
@@ -145,6 +148,10 @@ class Precision:
 
             # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
             model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
+        if self.mx is not None:
+            from mptrain.numerics.convert import convert_model as convert_mx
+
+            model, self.mx_state = convert_mx(model, self.options, self.mx_state)
         return model
 
     def master_weights(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MasterWeights | None]:
@@ -164,8 +171,9 @@ class Precision:
 
     def after_step(self) -> None:
         """Per-step work of the precision itself, after every optimizer step (FP8 master rounding)."""
-        if self.fp8_state is not None:
-            self.fp8_state.after_step()
+        for state in (self.fp8_state, self.mx_state):
+            if state is not None:
+                state.after_step()
 
     def input_cast(self, x: Tensor) -> Tensor:
         """Inputs follow the weights' dtype when the model itself is stored in low precision."""
@@ -197,6 +205,8 @@ class Precision:
             "allow_tf32": self.allow_tf32,
             "fp8": self.fp8,
             "fp8_layers": self.fp8_state.describe() if self.fp8_state is not None else None,
+            "mx": self.mx,
+            "mx_layers": self.mx_state.describe() if self.mx_state is not None else None,
             "note": self.note,
         }
 
@@ -250,11 +260,24 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
             p.autocast_dtype = torch.bfloat16  # non-Linear ops run in bf16 around the FP8 matmuls
         else:
             masters = str(options.get("master_weights", "fp16")).upper()
-            recipe = (
-                "per-tensor scales (current scaling)" if options.get("scaling", "loss") == "tensor"
-                else "no per-tensor scaling: the loss scale keeps gradients in range (Mellempudi et al.)"
-            )  # fmt: skip
+            recipe = {
+                "tensor": "per-tensor scales (current scaling)",
+                "rowwise": "a power-of-two scale per row along each GEMM's reduction dim (torchao's rowwise)",
+            }.get(
+                str(options.get("scaling", "loss")),
+                "no per-tensor scaling: the loss scale keeps gradients in range (Mellempudi et al.)",
+            )
             p.note = f"FP8 emulated: E5M2/E4M3 values computed in higher precision, {masters} master weights, {recipe}"
+    elif name == "mx":
+        from mptrain.numerics.convert import MxOptions
+
+        opts = MxOptions.parse(options)  # bad values stop here, before any model is built
+        p.mx = opts.format.name
+        p.note = (
+            f"{opts.format.name} emulated: every Linear/Conv2d GEMM rounds its operands onto {opts.format.name} "
+            f"blocks along its reduction dim (forward and backward) and multiplies in {opts.compute}; FP32 master "
+            "weights; per-block scales, so no loss scaling"
+        )
     else:
         raise MptrainError(f"precision={name!r}: unknown mode")
 
@@ -274,16 +297,16 @@ def _warn_if_emulated(p: Precision) -> None:
     worth studying anywhere), but the user hears once, in one line, how slow that will be."""
     cap = p.capability
     assert cap is not None
-    if p.fp8 == "emulated":
+    if p.fp8 == "emulated" or p.mx is not None:
+        what = "fp8" if p.mx is None else f"mx ({p.mx})"
         compute = str(p.options.get("emulated_compute", "fp32"))
         dtype = torch.bfloat16 if compute == "bf16" else None
         slowdown = emulation_slowdown(dtype) if dtype is not None and not cap.native(dtype) else 1.0
         log.warning(
-            "precision=fp8: no CPU has FP8 arithmetic, so it is emulated: every converted layer rounds its weights, "
-            "activations and gradients onto the FP8 grid and computes in %s%s. Expect it several times slower "
-            "than fp32 (ResNet-50/4: 3.3x on a 2-core AVX2 CPU, docs/benchmarks); use it to study FP8 numerics, "
-            "not for speed",
-            compute, f" (itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
+            "precision=%s: no CPU has this arithmetic, so it is emulated: every converted layer rounds its weights, "
+            "activations and gradients onto the format's grid and computes in %s%s. Expect it several times slower "
+            "than fp32 (docs/benchmarks); use it to study the numerics, not for speed",
+            what, compute, f" (itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
         )
         return
     dtype = p.half_dtype

@@ -20,14 +20,17 @@ POLICIES: dict[str, type[LossScaler]] = {
 
 def resolve_policy(loss_scale: str, precision_resolved: str, fp8_backend: str | None = None) -> str:
     """``auto`` picks the policy a precision needs: dynamic for FP16 compute, enhanced (with its
-    rising floor) for emulated FP8, none for fp32/tf32/bf16 (bf16 has FP32's exponent range)."""
+    rising floor) for emulated FP8, none for fp32/tf32/bf16 (bf16 has FP32's exponent range) and for
+    mx: every MX/NVFP4 block gets its own scale from its own amax, so a loss scale cannot move a
+    gradient into range (a power-of-two loss scale changes no MX value at all; NVFP4's block scales
+    are ratios to the tensor's amax, in which it cancels up to FP32 rounding)."""
     if loss_scale != "auto":
         return loss_scale
     if precision_resolved in ("amp_fp16", "fp16_master"):
         return "dynamic"
     if precision_resolved == "fp8" and fp8_backend == "emulated":
         return "enhanced"
-    return "none"
+    return "none"  # fp32, tf32, bf16 modes and mx
 
 
 def build_scaler(cfg: DictConfig, policy: str, device: torch.device) -> LossScaler:

@@ -54,6 +54,8 @@ from mptrain.config import TELEMETRY_FORMATS, TelemetryConfig  # noqa: F401 - sc
 from mptrain.errors import MptrainError
 from mptrain.fp8 import BF16, E4M3, E5M2, FP16, Fp8Conv2d, Fp8ConvTranspose2d, Fp8Format, Fp8Linear
 from mptrain.loss_scaling import LossScaler
+from mptrain.numerics.convert import MxConv2d, MxLinear
+from mptrain.numerics.format_stats import FormatProbe, probe_formats
 from mptrain.precision import Precision
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +212,8 @@ _FP8_PLAIN: dict[type[nn.Module], type[nn.Module]] = {
     Fp8Linear: nn.Linear,
     Fp8Conv2d: nn.Conv2d,
     Fp8ConvTranspose2d: nn.ConvTranspose2d,
+    MxLinear: nn.Linear,
+    MxConv2d: nn.Conv2d,
 }
 
 
@@ -382,6 +386,9 @@ class GradientTelemetry:
         self._run: dict[tuple[str, int], _RunStats] = {}
         self._run_shadow: dict[tuple[str, int], _RunStats] = {}
         self.steps_sampled = 0
+        # telemetry.compare_formats (and precision=mx's own format): mptrain.numerics.format_stats
+        fmts = probe_formats(cfg.get("compare_formats") or [], precision.mx)
+        self.format_probe = FormatProbe(self.layers, fmts) if fmts else None
 
     # ---------------------------------------------------------------------------------- hooks
 
@@ -424,6 +431,10 @@ class GradientTelemetry:
         self._calls = [0] * len(self.layers)
         self._record = _Record(step) if on else None
         self._masks.clear()
+        if self.format_probe is not None:
+            self.format_probe.disarm()
+            if on:
+                self.format_probe.arm(step)
         if self._record is not None:
             self._records.append(self._record)
             if self.shadow_on:
@@ -456,6 +467,8 @@ class GradientTelemetry:
         hooked layers' parameter gradients as stored, scale applied. Also disarms the hooks. A
         no-op on steps that ``active`` did not start."""
         self._armed = False
+        if self.format_probe is not None:
+            self.format_probe.disarm()
         rec = self._record
         if rec is None or rec.scale is None:
             return
@@ -580,6 +593,8 @@ class GradientTelemetry:
         """Write the captured steps to TensorBoard (``logger.scalar``, ``logger.writer``) and into
         the run totals. One device-to-host transfer for everything since the last flush.
         ``logger=None`` only updates the totals."""
+        if self.format_probe is not None:
+            self.format_probe.flush(logger, self.tag)
         # A step still being captured (hooks armed) waits for the next flush.
         pending = [r for r in self._records if r is self._record and self._armed]
         records = [r for r in self._records if (r.stats or r.lost) and r not in pending]
@@ -744,6 +759,7 @@ class GradientTelemetry:
             "suggestions": suggestions,
             "rule": SCALE_RULE,
             "act_grad_histogram": LogHistogram.from_bins(act_hist).as_dict(),
+            "block_formats": self.format_probe.report() if self.format_probe is not None else None,
         }
 
     def suggest_scale(self, fmt: Fp8Format) -> dict[str, Any] | None:
@@ -782,6 +798,8 @@ class GradientTelemetry:
             h.remove()
         self._handles.clear()
         self._armed, self._mode = False, None
+        if self.format_probe is not None:
+            self.format_probe.close()
 
 
 # Apex's default max_loss_scale: a larger static scale buys nothing once the tail is lifted.

@@ -67,6 +67,7 @@ def test_help_lists_groups_and_choices():
     assert r.returncode == 0
     lines = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("  ") and line.split()}
     assert all(m in lines["model"] for m in ("alexnet,", "googlenet,", "inception_v3,", "resnet50*", "vgg16"))
-    assert lines["precision"].split(None, 1)[1] == "amp_bf16, amp_fp16, bf16_pure, fp16_master, fp32*, fp8, mixed, tf32"
+    precisions = "amp_bf16, amp_fp16, bf16_pure, fp16_master, fp32*, fp8, mixed, mx, tf32"
+    assert lines["precision"].split(None, 1)[1] == precisions
     assert lines["loss_scale"].split(None, 1)[1] == "adaptive, auto*, dynamic, enhanced, none, static"
     assert "trainer: max_steps=None" in r.stdout

@@ -1,0 +1,284 @@
+"""``precision=mx``: convert a model's GEMM layers to emulated MX / NVFP4, and record every decision.
+
+Options (``precision.*``, see configs/precision/mx.yaml): ``format`` (a key of BLOCK_FORMATS),
+``stochastic_rounding`` (gradients), ``hadamard`` (random Hadamard transform on wgrad),
+``weight_2d_blocks``, ``keep_high`` (fnmatch patterns of layer names left in high precision),
+``keep_first`` / ``keep_last`` (that many GEMM layers at either end left high), ``pad_blocks``
+(zero-pad reduction dims that are not a multiple of the block, or leave such layers high),
+``emulated_compute`` (fp32 | bf16) and ``seed`` (the rounding and Hadamard streams). A null option
+takes the format's recipe default: for NVFP4, arXiv 2509.25149's recipe (stochastic rounding of
+gradients, RHT on wgrad, 16x16 weight tiles, the last ~15% of GEMM layers in high precision); for
+MX formats, the OCP spec's plain conversion (round-to-nearest, 1D blocks, every layer quantized).
+
+Every GEMM-like layer of the model gets a ``LayerDecision`` (name, kind, format or ``high``, reason),
+kept on ``MxState.decisions`` in the model's definition order; "first" and "last" are in that
+order. Layers left high are untouched: they compute in FP32 (this mode has no autocast).
+
+This module never imports mptrain.precision: ``convert_model`` takes the options and returns the
+state that ``Precision`` keeps.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mptrain.errors import MptrainError
+from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
+from mptrain.numerics.qgemm import BlockQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
+
+log = logging.getLogger(__name__)
+
+COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+NVFP4_HIGH_FRACTION = 0.15  # arXiv 2509.25149 keeps about 15% of the linear layers, the last ones, in BF16
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What a conversion did with one GEMM layer, and why."""
+
+    name: str  # qualified module name ("" is the root); prefixed by the network when a task has several
+    kind: str  # linear | conv2d | conv_transpose2d | conv1d | lstm | ...
+    format: str  # the format it computes in, or "high"
+    reason: str
+
+
+def gemm_kind(module: nn.Module) -> str | None:
+    """The kind of a module whose forward is a GEMM (subclasses included), or None."""
+    kinds: list[tuple[type[nn.Module], str]] = [
+        (nn.Linear, "linear"), (nn.Conv2d, "conv2d"), (nn.ConvTranspose2d, "conv_transpose2d"),
+        (nn.Conv1d, "conv1d"), (nn.Conv3d, "conv3d"), (nn.modules.conv._ConvTransposeNd, "conv_transpose"),
+        (nn.Bilinear, "bilinear"), (nn.RNNBase, "rnn"), (nn.MultiheadAttention, "attention"),
+    ]  # fmt: skip
+    for cls, kind in kinds:
+        if isinstance(module, cls):
+            return "lstm" if isinstance(module, nn.LSTM) else kind
+    return None
+
+
+def prefixed(network: str, decisions: list[LayerDecision]) -> list[LayerDecision]:
+    return [LayerDecision(f"{network}.{d.name}" if d.name else network, d.kind, d.format, d.reason) for d in decisions]
+
+
+class _MxMixin:
+    """Shared by the converted layers; ``mx_recipe`` is set by ``convert_model`` (a plain attribute:
+    parameter names and state_dict keys stay the original layer's)."""
+
+    mx_recipe: GemmRecipe
+    mx_format: str
+
+    def extra_repr(self) -> str:
+        r = self.mx_recipe
+        return (
+            f"{super().extra_repr()}, format={self.mx_format}, "  # type: ignore[misc]
+            f"hadamard={r.hadamard_signs is not None}, weight_2d={r.weight_2d}, "
+            f"compute={str(r.compute_dtype).replace('torch.', '')}"
+        )
+
+
+class MxLinear(_MxMixin, nn.Linear):
+    """nn.Linear whose three GEMMs run on block-quantized operands (mptrain.numerics.qgemm)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return QuantLinearFn.apply(input, self.weight, self.bias, self.mx_recipe)
+
+
+class MxConv2d(_MxMixin, nn.Conv2d):
+    """nn.Conv2d (groups=1, zero padding) whose three GEMMs run on block-quantized operands."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return QuantConv2dFn.apply(
+            input, self.weight, self.bias, self.mx_recipe, self.stride, self.padding, self.dilation
+        )
+
+
+# Exact types: a subclass may have its own forward, which swapping the class would replace.
+MX_LAYERS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: MxLinear, nn.Conv2d: MxConv2d}
+
+
+@dataclass
+class MxOptions:
+    """``precision.*`` for mx, with the format's recipe defaults filled in."""
+
+    format: BlockFormat
+    stochastic_rounding: bool
+    hadamard: bool
+    weight_2d_blocks: bool
+    keep_high: list[str]
+    keep_first: int
+    keep_last: int | None  # None: the recipe's share of the model's GEMM layers
+    pad_blocks: bool
+    compute: str
+    seed: int
+
+    @classmethod
+    def parse(cls, options: Mapping[str, Any]) -> MxOptions:
+        name = str(options.get("format", "mxfp8"))
+        if name not in BLOCK_FORMATS:
+            raise MptrainError(f"precision.format={name!r}: must be one of {', '.join(BLOCK_FORMATS)}")
+        fmt = BLOCK_FORMATS[name]
+        nv = fmt.two_level
+
+        def flag(key: str, default: bool) -> bool:
+            v = options.get(key)
+            return default if v is None else bool(v)
+
+        compute = str(options.get("emulated_compute", "fp32"))
+        if compute not in COMPUTE:
+            raise MptrainError(f"precision.emulated_compute={compute!r}: must be one of {', '.join(COMPUTE)}")
+        keep_last, keep_first = options.get("keep_last"), options.get("keep_first", 0) or 0
+        for key, v in (("keep_last", keep_last), ("keep_first", keep_first)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise MptrainError(f"precision.{key}={v!r}: must be an integer >= 0 (keep_last: or null)")
+        patterns = options.get("keep_high") or []
+        if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+            raise MptrainError(
+                f"precision.keep_high={patterns!r}: must be a list of layer-name patterns, e.g. ['fc', 'layer4.*']"
+            )
+        return cls(
+            format=fmt, stochastic_rounding=flag("stochastic_rounding", nv), hadamard=flag("hadamard", nv),
+            weight_2d_blocks=flag("weight_2d_blocks", nv), keep_high=list(patterns), keep_first=int(keep_first),
+            keep_last=None if keep_last is None else int(keep_last), pad_blocks=flag("pad_blocks", True),
+            compute=compute, seed=int(options.get("seed", 0) or 0),
+        )  # fmt: skip
+
+    def last(self, n_gemm: int) -> tuple[int, str]:
+        """How many last GEMM layers stay high, and why (for the reason string)."""
+        if self.keep_last is not None:
+            return self.keep_last, f"keep_last={self.keep_last}"
+        if self.format.two_level:
+            k = math.ceil(NVFP4_HIGH_FRACTION * n_gemm)
+            return k, f"keep_last=null: the NVFP4 recipe's last {NVFP4_HIGH_FRACTION:.0%} of {n_gemm} GEMM layers"
+        return 0, "keep_last=null"
+
+
+@dataclass
+class MxState:
+    """What ``convert_model`` did, kept on ``Precision.mx_state``: the recipe and every decision.
+
+    One state for every network of a task (a GAN's two): each is added with ``add``.
+    """
+
+    format: str
+    options: dict[str, Any]
+    decisions: list[LayerDecision] = field(default_factory=list)
+    networks: dict[str, list[LayerDecision]] = field(default_factory=dict)
+    models: list[nn.Module] = field(default_factory=list, repr=False)
+    rng: RngStreams = field(default_factory=lambda: RngStreams(0), repr=False)
+
+    def add(self, name: str, model: nn.Module, decisions: list[LayerDecision]) -> None:
+        while name in self.networks:
+            name += "'"
+        self.networks[name] = decisions
+        self.models.append(model)
+        self.decisions = (
+            list(decisions) if len(self.networks) == 1
+            else [d for net, ds in self.networks.items() for d in prefixed(net, ds)]
+        )  # fmt: skip
+
+    @property
+    def converted(self) -> list[str]:
+        return [d.name for d in self.decisions if d.format != "high"]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            **self.options,
+            "converted": self.converted,
+            "decisions": [asdict(d) for d in self.decisions],
+        }
+
+    def after_step(self) -> None:
+        """Nothing per step: masters stay FP32, and every quantization happens inside the GEMMs."""
+
+
+def _decide(
+    name: str, module: nn.Module, kind: str, index: int, n_gemm: int, opts: MxOptions, last: tuple[int, str]
+) -> tuple[str, str]:
+    """(format or "high", reason) for one GEMM layer; ``index`` counts GEMM layers from 0."""
+    fmt = opts.format
+    if type(module) not in MX_LAYERS:
+        why = "a subclass with its own forward" if isinstance(module, tuple(MX_LAYERS)) else "no MX emulation for it"
+        return "high", f"{kind}: {why}"
+    for pattern in opts.keep_high:
+        if fnmatch.fnmatchcase(name, pattern):
+            return "high", f"keep_high pattern {pattern!r}"
+    if index < opts.keep_first:
+        return "high", f"first layer (keep_first={opts.keep_first})"
+    k_last, why_last = last
+    if index >= n_gemm - k_last:
+        return "high", f"last layer ({why_last})"
+    if isinstance(module, nn.Conv2d):
+        if module.groups != 1:
+            return "high", f"grouped conv (groups={module.groups}): not one GEMM"
+        if module.padding_mode != "zeros" or isinstance(module.padding, str):
+            return "high", f"padding={module.padding!r}, padding_mode={module.padding_mode}: only explicit zero padding"
+        dims = {"C_in": module.in_channels, "C_out": module.out_channels}
+    else:
+        dims = {"in_features": module.in_features, "out_features": module.out_features}  # type: ignore[dict-item]
+    odd = {k: v for k, v in dims.items() if v % fmt.block_size}
+    if odd and not opts.pad_blocks:
+        k, v = next(iter(odd.items()))
+        return "high", f"reduction dim {k}={v} not divisible by block {fmt.block_size} (pad_blocks=false)"
+    if odd:
+        return fmt.name, "padded: " + ", ".join(
+            f"{k}={v} -> {fmt.block_size * math.ceil(v / fmt.block_size)}" for k, v in odd.items()
+        )
+    return fmt.name, "all reduction dims divisible by the block"
+
+
+def convert_model(
+    model: nn.Module, options: Mapping[str, Any], state: MxState | None = None
+) -> tuple[nn.Module, MxState]:
+    """Swap the model's nn.Linear / nn.Conv2d layers (exact types) for MX-emulating subclasses in
+    place, per ``options`` (``precision.*``); returns the model and the state with every decision.
+
+    Pass the state of the task's previous networks as ``state``: the new network is added to it.
+    """
+    opts = MxOptions.parse(options)
+    if state is None:
+        state = MxState(
+            format=opts.format.name,
+            options={
+                "stochastic_rounding": opts.stochastic_rounding, "hadamard": opts.hadamard,
+                "weight_2d_blocks": opts.weight_2d_blocks, "keep_high": opts.keep_high,
+                "keep_first": opts.keep_first, "keep_last": opts.keep_last, "pad_blocks": opts.pad_blocks,
+                "emulated_compute": opts.compute,
+            },
+            rng=RngStreams(opts.seed),
+        )  # fmt: skip
+    recipe = GemmRecipe(
+        quantizer=BlockQuantizer(opts.format, stochastic_grads=opts.stochastic_rounding, rng=state.rng),
+        compute_dtype=COMPUTE[opts.compute],
+        hadamard_signs=GemmRecipe.signs(opts.seed + 1) if opts.hadamard else None,
+        weight_2d=opts.weight_2d_blocks,
+    )
+    gemms = [(n, m, k) for n, m in model.named_modules() if (k := gemm_kind(m)) is not None]
+    # A layer inside another GEMM module (MultiheadAttention's out_proj) is decided with its parent.
+    gemms = [(n, m, k) for n, m, k in gemms if not any(n.startswith(p + ".") and p != n for p, _, _ in gemms)]
+    last = opts.last(len(gemms))
+    decisions = []
+    for i, (name, module, kind) in enumerate(gemms):
+        fmt, reason = _decide(name, module, kind, i, len(gemms), opts, last)
+        if fmt != "high":
+            module.__class__ = MX_LAYERS[type(module)]
+            module.mx_recipe, module.mx_format = recipe, fmt  # type: ignore[assignment]
+        decisions.append(LayerDecision(name, kind, fmt, reason))
+    if not any(d.format != "high" for d in decisions):
+        log.warning(
+            "precision=mx: no layer of %s computes in %s (see the decisions)", type(model).__name__, opts.format.name
+        )
+    state.add(type(model).__name__, model, decisions)
+    log.info(
+        "mx emulated %s: %d of %d GEMM layers of %s quantized; high: %s", opts.format.name,
+        sum(d.format != "high" for d in decisions), len(decisions), type(model).__name__,
+        "; ".join(f"{d.name or '<root>'} ({d.reason})" for d in decisions if d.format == "high") or "none",
+    )  # fmt: skip
+    return model, state

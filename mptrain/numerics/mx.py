@@ -1,0 +1,271 @@
+"""Block-scaled formats: OCP Microscaling (MX v1.0) and NVIDIA's NVFP4, emulated bit for bit.
+
+**MX** (OCP Microscaling Formats Specification v1.0, section 6.3): a block of 32 consecutive values
+along one dimension shares a scale X = 2**shared_exp stored as E8M0 (an exponent, bias 127, codes
+0..254 for 2**-127..2**127, 0xFF = NaN), and every value is stored as an element P_i with
+V_i ~ X * P_i:
+
+    shared_exp = floor(log2(max_i |V_i|)) - emax_elem        (emax_elem: exponent of the element's max)
+    clamped to E8M0's range: below -127 -> -127 (the block's small values flush towards 0);
+    above 127, or a NaN/Inf in the block -> NaN (0xFF), and the whole block decodes to NaN
+    P_i = round_to_element(V_i / X): round-to-nearest-even, normals clamped to the element's max
+
+An all-zero block has no log2: it gets the smallest scale (as the spec authors' reference code,
+microsoft/microxcaling, does) and decodes to zeros. Since floor(log2(amax)) only aligns the top
+binade, amax / X can exceed the element's max (E4M3: up to 511.9 > 448) and saturates: that is the
+spec's rule, not a bug, and ``QuantizedBlocks.saturated`` counts it.
+
+**NVFP4** (NVIDIA; the recipe of "Pretraining LLMs with NVFP4", arXiv 2509.25149): blocks of 16
+E2M1 values, each block with an E4M3 scale, and one FP32 scale per tensor:
+
+    tensor scale   s_t = amax(tensor) / (448 * 6)              (decode direction; 1 for an all-zero tensor)
+    block scale    s_b = e4m3(min(amax(block) / 6 / s_t, 448))  (round-to-nearest-even, subnormals kept)
+    elements       P_i = e2m1(clamp(V_i * ((1 / s_t) / s_b), +-6))
+    value          V_i ~ P_i * (s_t * s_b)
+
+The operation order is torchao's (``nvfp4_quantize``) so that the two agree bit for bit. One
+difference, on purpose: torchao clamps block scales up to E4M3's smallest normal (2**-6), which
+forces a block far below the tensor's amax onto a coarser grid than the E4M3 cast gives; here the
+scale is the plain E4M3 cast, subnormals included, and a block whose scale rounds to 0 decodes to 0.
+
+Options from the recipe: ``block_2d`` (16x16 tiles for weights, so that W and W^T quantize
+identically), ``stochastic`` (gradients), and a random Hadamard transform (``random_hadamard``)
+that the layers apply to both operands of the weight-gradient GEMM.
+
+Lengths that are not a multiple of the block are padded with zeros (zeros change no block's amax
+and contribute nothing to a dot product); ``pad=False`` refuses them with a ValueError instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mptrain.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, ElementFormat, exp2i, round_to_element
+
+E8M0_BIAS = 127
+E8M0_NAN_EXPONENT = 128  # the exponent that code 0xFF (NaN) would decode to: marks NaN blocks
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A block-scaled format: elements of ``element`` in blocks of ``block_size`` sharing a scale.
+
+    ``scale`` is ``e8m0`` (OCP MX: a power of two per block) or ``e4m3`` (NVFP4: an E4M3 scale per
+    block times an FP32 scale per tensor).
+    """
+
+    name: str
+    element: ElementFormat
+    block_size: int
+    scale: str
+
+    @property
+    def two_level(self) -> bool:
+        return self.scale == "e4m3"
+
+
+BLOCK_FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("mxfp8", E4M3, 32, "e8m0"),
+        BlockFormat("mxfp8_e5m2", E5M2, 32, "e8m0"),
+        BlockFormat("mxfp6", E2M3, 32, "e8m0"),
+        BlockFormat("mxfp6_e3m2", E3M2, 32, "e8m0"),
+        BlockFormat("mxfp4", E2M1, 32, "e8m0"),
+        BlockFormat("nvfp4", E2M1, 16, "e4m3"),
+    )
+}
+
+
+def block_format(name: str | BlockFormat) -> BlockFormat:
+    if isinstance(name, BlockFormat):
+        return name
+    try:
+        return BLOCK_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown block format {name!r}; one of {', '.join(BLOCK_FORMATS)}") from None
+
+
+@dataclass
+class QuantizedBlocks:
+    """The result of ``quantize_blocks``: what was stored, and what it decodes to.
+
+    Per-block tensors (``scale_exponents``, ``block_scales``) have x's shape with ``dim`` moved last
+    and its length replaced by the number of blocks (``block_2d``: leading dims, row tiles, column
+    tiles). Counts are 0-dim int64 tensors (no host sync), None unless asked for.
+    """
+
+    fmt: BlockFormat
+    dequantized: Tensor  # FP32, x's shape: what the stored block decodes to
+    local: Tensor  # FP32, x's shape: elements times block scales, without the tensor scale (exact in bf16)
+    elements: Tensor  # FP32 values on the element grid (NaN in NaN blocks), x's shape
+    scale_exponents: Tensor | None  # MX: int32 unbiased E8M0 exponents; E8M0_NAN_EXPONENT for NaN blocks
+    block_scales: Tensor | None  # NVFP4: the E4M3 block scales as FP32 values
+    tensor_scale: Tensor | None  # NVFP4: the FP32 per-tensor scale (0-dim)
+    padded: int  # zeros appended along the blocked dim(s) to fill the last block
+    flushed: Tensor | None = None  # nonzero finite inputs stored as 0
+    saturated: Tensor | None = None  # finite inputs past the block's largest value, clamped to it
+    nonzero: Tensor | None = None  # nonzero finite inputs (the flushed fraction's denominator)
+
+    @property
+    def e8m0_codes(self) -> Tensor:
+        """The stored E8M0 bytes (0xFF = NaN)."""
+        if self.scale_exponents is None:
+            raise ValueError(f"{self.fmt.name} has no E8M0 scales")
+        return (self.scale_exponents + E8M0_BIAS).to(torch.uint8)
+
+
+def quantize_blocks(
+    x: Tensor,
+    fmt: BlockFormat | str,
+    dim: int = -1,
+    *,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+    block_2d: bool = False,
+    pad: bool = True,
+    with_stats: bool = False,
+) -> QuantizedBlocks:
+    """Quantize ``x`` to ``fmt`` in blocks along ``dim`` (``block_2d``: square tiles over the last
+    two dims, ``dim`` ignored); see the module docstring for the rules.
+
+    ``stochastic`` rounds the elements stochastically (unbiased) with ``generator``; scales are
+    always rounded to nearest, as in the NVFP4 recipe. ``with_stats`` fills the counts.
+    """
+    fmt = block_format(fmt)
+    xf = x.float()
+    bs = fmt.block_size
+    if block_2d:
+        if xf.dim() < 2:
+            raise ValueError(f"block_2d needs a tensor of 2 or more dims, got shape {tuple(x.shape)}")
+        blocks, padded, undo = _tiles(xf, bs, pad)
+    else:
+        blocks, padded, undo = _rows(xf, dim, bs, pad)
+
+    amax = blocks.abs().amax(-1)  # NaN if the block has a NaN, Inf if it has an Inf
+    bad = ~torch.isfinite(amax)  # the block decodes to NaN
+    if fmt.two_level:
+        mags = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
+        t_amax = mags.amax() if mags.numel() else torch.zeros((), device=xf.device)
+        t_scale = torch.where(t_amax > 0, t_amax / (E4M3.max_normal * fmt.element.max_normal), 1.0)
+        s_block = round_to_element((amax / fmt.element.max_normal / t_scale).clamp(max=E4M3.max_normal), E4M3)
+        s_block = torch.where(bad, math.nan, s_block)
+        recip = torch.where(s_block > 0, (1.0 / t_scale) / s_block, 0.0)  # scale 0: the block flushes to 0
+        scaled = blocks * recip.unsqueeze(-1)
+        exps = None
+    else:
+        _, e = torch.frexp(amax)  # exact floor(log2(amax)) = e - 1, FP32 subnormals too
+        floor_log2 = torch.where(amax > 0, e - 1, -126)  # all-zero block: as microxcaling, log2(FP32 min normal)
+        exps = (floor_log2 - fmt.element.emax).clamp(min=-E8M0_BIAS)
+        exps = torch.where(bad, E8M0_NAN_EXPONENT, exps).to(torch.int32)
+        scaled = blocks * exp2i(-exps.clamp(max=E8M0_BIAS)).unsqueeze(-1)  # exact: a power of two
+        t_scale = s_block = None  # type: ignore[assignment]
+    q = round_to_element(scaled, fmt.element, stochastic=stochastic, generator=generator)
+    q = torch.where(bad.unsqueeze(-1), math.nan, q)
+    if s_block is not None:
+        local = q * s_block.unsqueeze(-1)
+        deq = q * (t_scale * s_block).unsqueeze(-1)  # torchao's order, so dequantized values agree bit for bit
+    else:
+        local = deq = q * exp2i(exps.clamp(max=E8M0_BIAS)).unsqueeze(-1)  # type: ignore[union-attr]
+    deq_x = undo(deq)
+    out = QuantizedBlocks(
+        fmt=fmt, dequantized=deq_x, local=undo(local) if s_block is not None else deq_x, elements=undo(q),
+        scale_exponents=exps, block_scales=s_block, tensor_scale=t_scale, padded=padded,
+    )
+    if with_stats:
+        finite = torch.isfinite(blocks) & ~bad.unsqueeze(-1)
+        ok = finite & (blocks != 0)
+        out.nonzero = ok.sum()
+        out.flushed = (ok & (q == 0)).sum()
+        # Past the largest value the block can hold (the element max times the block's scales),
+        # compared in x's units: a reciprocal-scaled 6.0000005 that is really 6 does not count.
+        top = fmt.element.max_normal * (t_scale * s_block if s_block is not None else exp2i(exps.clamp(max=E8M0_BIAS)))
+        out.saturated = (finite & (blocks.abs() > top.unsqueeze(-1))).sum()
+    return out
+
+
+def fake_quantize(x: Tensor, fmt: BlockFormat | str, dim: int = -1, **kw: object) -> Tensor:
+    """``quantize_blocks(x, fmt, dim, **kw).dequantized`` in x's dtype: quantize and decode."""
+    return quantize_blocks(x, fmt, dim, **kw).dequantized.to(x.dtype)  # type: ignore[arg-type]
+
+
+def _padding(n: int, bs: int, pad: bool, what: str) -> int:
+    extra = -n % bs
+    if extra and not pad:
+        raise ValueError(f"{what} of length {n} is not a multiple of the block size {bs} (pad=True pads it with zeros)")
+    return extra
+
+
+def _rows(xf: Tensor, dim: int, bs: int, pad: bool):  # type: ignore[no-untyped-def]
+    """(..., n_blocks, bs) blocks along ``dim``, and a function mapping such a tensor back to x's layout."""
+    dim = dim % max(xf.dim(), 1)
+    moved = xf.movedim(dim, -1) if xf.dim() else xf.reshape(1)
+    n = moved.shape[-1]
+    extra = _padding(n, bs, pad, f"dim {dim}")
+    if extra:
+        moved = F.pad(moved, (0, extra))
+    blocks = moved.reshape(*moved.shape[:-1], -1, bs)
+
+    def undo(t: Tensor) -> Tensor:
+        t = t.reshape(*t.shape[:-2], -1)[..., :n]
+        return t.movedim(-1, dim) if xf.dim() else t.reshape(())
+
+    return blocks, extra, undo
+
+
+def _tiles(xf: Tensor, bs: int, pad: bool):  # type: ignore[no-untyped-def]
+    """(..., row tiles, column tiles, bs*bs) square tiles over the last two dims, and the inverse."""
+    *lead, r, c = xf.shape
+    er, ec = _padding(r, bs, pad, "rows"), _padding(c, bs, pad, "columns")
+    p = F.pad(xf, (0, ec, 0, er)) if er or ec else xf
+    rt, ct = (r + er) // bs, (c + ec) // bs
+    tiles = p.reshape(*lead, rt, bs, ct, bs).transpose(-3, -2).reshape(*lead, rt, ct, bs * bs)
+
+    def undo(t: Tensor) -> Tensor:
+        t = t.reshape(*lead, rt, ct, bs, bs).transpose(-3, -2).reshape(*lead, rt * bs, ct * bs)
+        return t[..., :r, :c]
+
+    return tiles, er * (c + ec) + ec * r, undo
+
+
+# --------------------------------------------------------------------------------------------
+# random Hadamard transform (NVFP4 recipe: both operands of the weight-gradient GEMM)
+
+HADAMARD_SIZE = 16
+
+
+def hadamard_matrix(n: int = HADAMARD_SIZE) -> Tensor:
+    """Sylvester's n x n Hadamard matrix scaled by 1/sqrt(n): orthogonal, entries +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def random_signs(generator: torch.Generator, n: int = HADAMARD_SIZE) -> Tensor:
+    """A random +-1 vector of length n from ``generator`` (on the generator's device)."""
+    bits = torch.randint(0, 2, (n,), generator=generator, device=generator.device)
+    return bits.float() * 2 - 1
+
+
+def random_hadamard(x: Tensor, dim: int, signs: Tensor) -> Tensor:
+    """Multiply every block of 16 along ``dim`` by H * diag(signs) (an orthogonal matrix).
+
+    Applied along the reduction dim of both operands of a GEMM it cancels in the product:
+    (A T)(B T)^T = A B^T for T = blockdiag(H S). The length along ``dim`` must be a multiple of 16
+    (the layers pad with zeros first, and keep the padding through the GEMM).
+    """
+    n = signs.numel()
+    if x.shape[dim] % n:
+        raise ValueError(f"random_hadamard: length {x.shape[dim]} along dim {dim} is not a multiple of {n}")
+    m = hadamard_matrix(n).to(device=x.device, dtype=x.dtype) * signs.to(x.device, x.dtype)
+    moved = x.movedim(dim, -1)
+    out = (moved.reshape(*moved.shape[:-1], -1, n) @ m).reshape(moved.shape)
+    return out.movedim(-1, dim)

@@ -1,0 +1,252 @@
+"""Quantized GEMMs: Linear and Conv2d with every GEMM operand quantized along its reduction dim.
+
+A layer's three GEMMs, and how their operands are quantized (forward and backward):
+
+    fprop  y  = x  @ W^T      x blocked along in_features,   W along in_features
+    dgrad  dx = dy @ W        dy blocked along out_features, W along out_features
+    wgrad  dW = dy^T @ x      dy blocked along tokens,       x along tokens
+
+That is how block-scaled hardware works: a block's scale must be constant along the contraction,
+so the block axis follows it, and a tensor used by two GEMMs is quantized twice from its
+high-precision copy (Transformer Engine keeps a "rowwise" and a "columnwise" copy). With 2D weight
+tiles (NVFP4 recipe) W and W^T quantize identically and the forward copy serves dgrad too.
+
+Gradients reach the FP32 master weights through the straight-through estimator: dW is the GEMM of
+the quantized operands, with no derivative of the rounding.
+
+Conv2d is taken as the implicit GEMM of a channels-last convolution, whose reduction index runs
+over (kh, kw, C_in): a block of 32 along it is 32 input channels at one filter tap. So activations
+are blocked along C (per pixel) and weights along C_in (per output channel and tap), which is the
+im2col GEMM's blocking without materialising im2col, exactly when C_in is a multiple of the
+block; otherwise each tap's channels are zero-padded to a block, as channels-last kernels pad
+C_in. dgrad likewise blocks along C_out. wgrad contracts over (batch, output pixel), so it does
+unfold the input (im2col) and blocks both operands along that dim.
+
+The products are computed in ``compute_dtype`` on ``local`` values (elements times block scales:
+exact in bf16 for every format here) and multiplied by the operands' per-tensor scales afterwards,
+as the hardware applies them (NVFP4's global scales; MX and row-wise FP8 have none).
+
+Written by hand: torchao's mx_formats quantizers (the tests' reference) take contiguous tensors
+blocked along the last dim, lengths divisible by the block, and its MX/NVFP4 training covers
+nn.Linear; here any dim, padding, Conv2d, stochastic rounding and the Hadamard transform run on
+plain tensors on any device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mptrain.numerics.formats import ElementFormat, exp2i, round_to_element
+from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, quantize_blocks, random_hadamard, random_signs
+
+
+class Quantizer(Protocol):
+    """Quantizes one GEMM operand along its reduction ``dim``: returns (local, tensor scale or None)
+    with x ~ local * scale. ``role`` is input, weight or grad (gradients may round stochastically)."""
+
+    def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]: ...
+
+
+class RngStreams:
+    """One torch.Generator per device, seeded deterministically: stochastic rounding and Hadamard
+    signs draw from these, never from the global RNG (which decides a run's data and dropout)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
+
+    def get(self, device: torch.device) -> torch.Generator:
+        gen = self._gens.get(device)
+        if gen is None:
+            gen = self._gens[device] = torch.Generator(device).manual_seed(self.seed)
+        return gen
+
+
+@dataclass
+class BlockQuantizer:
+    """MX / NVFP4: ``quantize_blocks`` per operand; stochastic rounding for gradients if asked."""
+
+    fmt: BlockFormat
+    stochastic_grads: bool = False
+    rng: RngStreams = field(default_factory=lambda: RngStreams(0))
+
+    def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]:
+        sr = self.stochastic_grads and role == "grad"
+        q = quantize_blocks(
+            x, self.fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None,
+            block_2d=role == "weight_2d",
+        )  # fmt: skip
+        return q.local, q.tensor_scale
+
+
+@dataclass
+class AxiswiseQuantizer:
+    """FP8 with one power-of-two scale per row along the reduction dim (torchao's ``rowwise``
+    recipe: 2**floor(log2(max / amax)) for each row of the left operand and each column of the
+    right one). Inputs and weights in ``forward``, gradients in ``backward`` (E4M3 / E5M2 for
+    ``hybrid``)."""
+
+    forward: ElementFormat
+    backward: ElementFormat
+    stochastic_grads: bool = False
+    rng: RngStreams = field(default_factory=lambda: RngStreams(0))
+
+    def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]:
+        fmt = self.backward if role == "grad" else self.forward
+        sr = self.stochastic_grads and role == "grad"
+        return axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
+
+
+def axiswise_round(
+    x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False, generator: torch.Generator | None = None
+) -> Tensor:
+    """Round x to ``fmt`` with a power-of-two scale per vector along ``dim``; returns FP32 values.
+
+    scale = 2**floor(log2(max / amax)) (1 for an all-zero or non-finite vector), so amax * scale
+    <= max: nothing saturates, and scaling is exact. Non-finite values pass through.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim, keepdim=True)
+    ok = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(ok, amax, 1.0)
+    _, e = torch.frexp(fmt.max_normal / safe)  # exact floor(log2(max / amax)) up to the rounding of one division
+    k = (e - 1).clamp(-126, 126)
+    k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)  # settle the division's rounding exactly
+    k = torch.where(ok, k, 0)
+    q = round_to_element(xf * exp2i(k), fmt, stochastic=stochastic, generator=generator) * exp2i(-k)
+    return torch.where(torch.isfinite(xf), q, xf)
+
+
+@dataclass
+class GemmRecipe:
+    """What a quantized layer does to its GEMMs: the quantizer, the Hadamard transform on wgrad
+    (NVFP4 recipe; a random sign vector shared by all layers), and the compute dtype."""
+
+    quantizer: Any  # a Quantizer; role "weight_2d" asks for square tiles over the last two dims
+    compute_dtype: torch.dtype = torch.float32
+    hadamard_signs: Tensor | None = None  # 16 random +-1 signs: RHT on both wgrad operands
+    weight_2d: bool = False  # the weight's forward quantization serves dgrad as well (2D tiles)
+
+    @staticmethod
+    def signs(seed: int) -> Tensor:
+        """The Hadamard sign vector for ``seed`` (CPU; moved to each operand's device)."""
+        return random_signs(torch.Generator().manual_seed(seed), HADAMARD_SIZE)
+
+
+def _scale(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
+    if a is None and b is None:
+        return y
+    s = (a if a is not None else 1.0) * (b if b is not None else 1.0)  # type: ignore[operator]
+    return y * s
+
+
+def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+    """Quantize the wgrad GEMM's operands g (rows, K) and x (cols, K), both along K (tokens); with
+    the Hadamard transform, K is zero-padded to a multiple of 16 and both are rotated first."""
+    if recipe.hadamard_signs is not None:
+        extra = -g.shape[1] % HADAMARD_SIZE
+        if extra:
+            g, x = F.pad(g, (0, extra)), F.pad(x, (0, extra))
+        g = random_hadamard(g, 1, recipe.hadamard_signs)
+        x = random_hadamard(x, 1, recipe.hadamard_signs)
+    gl, gs = recipe.quantizer(g, 1, "grad")
+    xl, xs = recipe.quantizer(x, 1, "input")
+    return gl, gs, xl, xs
+
+
+class QuantLinearFn(torch.autograd.Function):
+    """y = x W^T + b with quantized operands in all three GEMMs (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> Tensor:  # type: ignore[override]
+        cd = recipe.compute_dtype
+        # Quantized in x's own shape (blocks along its last dim), so that the output is no view:
+        # the next layer may modify it in place (AlexNet's and VGG's ReLU(inplace=True)).
+        xl, xs = recipe.quantizer(x, -1, "input")
+        wl, ws = recipe.quantizer(weight, 1, "weight_2d" if recipe.weight_2d else "weight")
+        y = _scale((xl.to(cd) @ wl.to(cd).t()).float(), xs, ws)
+        if bias is not None:
+            y = y + bias.float()
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
+        ctx.w_dtype, ctx.w_scale = weight.dtype, ws
+        # 2D tiles: the forward's quantized weight is also dgrad's (W^T has the same tiles).
+        ctx.save_for_backward(x, wl if recipe.weight_2d else weight)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        recipe: GemmRecipe = ctx.recipe
+        cd = recipe.compute_dtype
+        x, w = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        g = dy.reshape(-1, dy.shape[-1]).float()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            gl, gs = recipe.quantizer(g, 1, "grad")  # along out_features
+            wl, ws = (w, ctx.w_scale) if recipe.weight_2d else recipe.quantizer(w, 0, "weight")  # along out_features
+            dx = _scale((gl.to(cd) @ wl.to(cd)).float(), gs, ws).reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            gl, gs, xl, xs = _wgrad_operands(recipe, g.t(), x2.float().t())  # (out, N), (in, N)
+            dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum(0)  # the bias is added in high precision; its gradient is a high-precision reduction
+        return dx, dw, db, None
+
+
+class QuantConv2dFn(torch.autograd.Function):
+    """conv2d with quantized operands in fprop, dgrad and wgrad (groups=1; see the module docstring)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe,
+        stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+    ) -> Tensor:
+        cd = recipe.compute_dtype
+        xl, xs = recipe.quantizer(x, 1, "input")  # per pixel, along C_in
+        wl, ws = _conv_weight(recipe, weight, "fprop")
+        y = _scale(F.conv2d(xl.to(cd), wl.to(cd), None, stride, padding, dilation).float(), xs, ws)
+        if bias is not None:
+            y = y + bias.float().view(1, -1, 1, 1)
+        ctx.recipe, ctx.conv = recipe, (stride, padding, dilation)
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias, ctx.w_scale = x.dtype, weight.dtype, bias is not None, ws
+        ctx.save_for_backward(x, wl if recipe.weight_2d else weight)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        recipe: GemmRecipe = ctx.recipe
+        cd = recipe.compute_dtype
+        stride, padding, dilation = ctx.conv
+        x, w = ctx.saved_tensors
+        g = dy.float()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            gl, gs = recipe.quantizer(g, 1, "grad")  # per output pixel, along C_out
+            wl, ws = (w, ctx.w_scale) if recipe.weight_2d else _conv_weight(recipe, w, "dgrad")
+            dx = torch.nn.grad.conv2d_input(x.shape, wl.to(cd), gl.to(cd), stride, padding, dilation)
+            dx = _scale(dx.float(), gs, ws).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            c_out, c_in, kh, kw = w.shape
+            # wgrad contracts over (batch, output pixel): the im2col columns of x, (N, C_in*kh*kw, L), against dy.
+            cols = F.unfold(x.float(), (kh, kw), dilation=dilation, padding=padding, stride=stride)
+            a = g.permute(1, 0, 2, 3).reshape(c_out, -1)
+            b = cols.permute(1, 0, 2).reshape(c_in * kh * kw, -1)
+            gl, gs, xl, xs = _wgrad_operands(recipe, a, b)
+            dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).reshape(w.shape).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g.sum((0, 2, 3))
+        return dx, dw, db, None, None, None, None
+
+
+def _conv_weight(recipe: GemmRecipe, w: Tensor, gemm: str) -> tuple[Tensor, Tensor | None]:
+    """The conv weight (C_out, C_in, kh, kw) for fprop (blocked along C_in at each tap) or dgrad
+    (along C_out); with 2D tiles, (C_out, C_in) tiles at each tap, the same for both."""
+    if recipe.weight_2d:
+        wl, ws = recipe.quantizer(w.permute(2, 3, 0, 1), -1, "weight_2d")  # tiles over (C_out, C_in)
+        return wl.permute(2, 3, 0, 1), ws
+    return recipe.quantizer(w, 1 if gemm == "fprop" else 0, "weight")

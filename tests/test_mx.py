@@ -1,0 +1,484 @@
+"""OCP MX and NVFP4 block quantization, the quantized GEMM layers and precision=mx.
+
+References: the spec's rule recomputed per block in float64 on grids decoded from bit patterns
+(tests/test_formats.py), hand-built blocks, torchao's mx_formats quantizers where installed, and
+plain matmuls / im2col GEMMs of fake-quantized operands for the layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import run_job, tiny
+from omegaconf import DictConfig, OmegaConf
+from test_formats import nearest_even_reference
+from torch import nn
+
+from mptrain.config import validate
+from mptrain.errors import MptrainError
+from mptrain.numerics.convert import LayerDecision, convert_model
+from mptrain.numerics.formats import E4M3
+from mptrain.numerics.mx import (
+    BLOCK_FORMATS,
+    BlockFormat,
+    fake_quantize,
+    hadamard_matrix,
+    quantize_blocks,
+    random_hadamard,
+    random_signs,
+)
+from mptrain.numerics.qgemm import BlockQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
+from mptrain.precision import build_precision
+
+MX = [f for f in BLOCK_FORMATS.values() if not f.two_level]
+NVFP4 = BLOCK_FORMATS["nvfp4"]
+
+
+def ids(f: BlockFormat) -> str:
+    return f.name
+
+
+def reference_mx(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """The spec's conversion of rows of 32 (x: (rows, 32k)), per block in float64: (exponents, decoded).
+
+    shared_exp = floor(log2(amax)) - emax_elem, clamped to E8M0's [-127, 127] (an all-zero block
+    gets -127), NaN (code 0xFF, exponent 128 here) for a block with NaN or Inf; elements rounded to
+    nearest-even on the decoded grid, saturating."""
+    blocks = x.double().reshape(x.shape[0], -1, fmt.block_size)
+    amax = blocks.abs().amax(-1)
+    bad = ~torch.isfinite(amax)
+    floor_log2 = torch.tensor([math.frexp(a)[1] - 1 if a > 0 else -10_000 for a in amax.flatten().tolist()])
+    shared = (floor_log2.reshape(amax.shape) - fmt.element.emax).clamp(min=-127)
+    shared = torch.where(bad, 128, shared)
+    x_scale = torch.pow(2.0, shared.double()).unsqueeze(-1)
+    p = nearest_even_reference(torch.where(bad.unsqueeze(-1), 0.0, blocks / x_scale).float(), fmt.element)
+    out = torch.where(bad.unsqueeze(-1), math.nan, p.double() * x_scale)
+    return shared, out.reshape(x.shape).float()
+
+
+def wide_blocks(rows: int, cols: int, seed: int, spread: int = 20) -> torch.Tensor:
+    """Rows with very different magnitudes and wide spread inside blocks (subnormals, saturation)."""
+    g = torch.Generator().manual_seed(seed)
+    row_scale = torch.exp2(torch.randint(-spread, spread, (rows, 1), generator=g).float())
+    within = torch.exp2(torch.randn(rows, cols, generator=g) * 3)
+    return torch.randn(rows, cols, generator=g) * row_scale * within
+
+
+# --------------------------------------------------------------------------------------------
+# the MX scale rule
+
+
+@pytest.mark.parametrize("fmt", MX, ids=ids)
+def test_mx_matches_the_spec_rule_on_random_blocks(fmt: BlockFormat) -> None:
+    x = wide_blocks(32, 128, seed=0)
+    q = quantize_blocks(x, fmt, with_stats=True)
+    exps, decoded = reference_mx(x, fmt)
+    assert torch.equal(q.scale_exponents.long(), exps)
+    assert torch.equal(q.dequantized, decoded)
+    assert q.dequantized.dtype == torch.float32 and q.dequantized.shape == x.shape
+    assert q.flushed is not None and q.saturated is not None
+    assert q.flushed.item() == ((x != 0) & (decoded == 0)).sum().item()
+    scaled = x.double() / torch.pow(2.0, exps.double()).repeat_interleave(32, 1)
+    assert q.saturated.item() == (scaled.abs() > fmt.element.max_normal).sum().item() > 0
+
+
+@pytest.mark.parametrize("fmt", MX, ids=ids)
+def test_mx_hand_built_blocks(fmt: BlockFormat) -> None:
+    elem = fmt.element
+    zeros = torch.zeros(32)
+    outlier = torch.full((32,), 1e-3)
+    outlier[5] = 1000.0
+    saturating = torch.full((32,), 1.0)
+    saturating[0] = 2.0**5 * 1.99  # mantissa 1.99 > max / 2**emax for every MX element type: clamps
+    fp32_subnormal = torch.full((32,), 2.0**-140)
+    fp32_subnormal[1] = 2.0**-135
+    with_nan = torch.ones(32)
+    with_nan[3] = math.nan
+    with_inf = torch.ones(32)
+    with_inf[7] = -math.inf
+    x = torch.stack([zeros, outlier, saturating, fp32_subnormal, with_nan, with_inf])
+    q = quantize_blocks(x, fmt, with_stats=True)
+    e = q.scale_exponents.flatten().tolist()
+
+    assert e[0] == -127 and torch.equal(q.dequantized[0], zeros)  # all zeros: the smallest scale, zeros
+    assert e[1] == 9 - elem.emax  # floor(log2(1000)) = 9
+    big = nearest_even_reference(torch.tensor([1000.0 / 2 ** e[1]]), elem).item() * 2 ** e[1]
+    assert q.dequantized[1, 5].item() == big
+    tiny = 1e-3 / 2.0 ** e[1]  # the small values, in element units: flushed where below half the smallest subnormal
+    assert (q.dequantized[1, :5] == 0).all().item() == (tiny < elem.min_subnormal / 2)
+    assert e[2] == 5 - elem.emax and q.dequantized[2, 0].item() == elem.max_normal * 2.0 ** e[2]  # saturated
+    assert e[3] == -127  # floor(log2(2**-135)) - emax < -127: clamped
+    assert torch.equal(q.dequantized[3], reference_mx(x[3:4], fmt)[1][0])
+    assert e[4] == e[5] == 128 and q.e8m0_codes.flatten()[4:].tolist() == [0xFF, 0xFF]  # NaN scale
+    assert torch.isnan(q.dequantized[4:]).all()  # the whole block is NaN
+    assert q.saturated.item() >= 1  # the saturating block (NaN blocks are not counted)
+
+
+def test_mx_blocks_follow_dim_and_pad() -> None:
+    x = wide_blocks(40, 24, seed=1)  # 40 along dim 0: one full block of 32 and one of 8 (+24 zeros)
+    q0 = quantize_blocks(x, "mxfp8", dim=0)
+    qt = quantize_blocks(x.t().contiguous(), "mxfp8", dim=-1)
+    assert torch.equal(q0.dequantized, qt.dequantized.t())
+    assert q0.padded == 24 and q0.scale_exponents.shape == (24, 2)
+    padded = F.pad(x.t(), (0, 24))
+    assert torch.equal(q0.dequantized, fake_quantize(padded, "mxfp8")[:, :40].t())
+    with pytest.raises(ValueError, match="not a multiple of the block size 32"):
+        quantize_blocks(x, "mxfp8", dim=0, pad=False)
+
+
+# --------------------------------------------------------------------------------------------
+# NVFP4
+
+
+def test_nvfp4_scales_on_hand_built_blocks() -> None:
+    fp4 = NVFP4.element
+    x = torch.zeros(4, 16)
+    x[0] = torch.linspace(-2688.0, 2688.0, 16)  # tensor amax 2688 = 448 * 6: tensor scale 1
+    x[1, :3] = torch.tensor([6.0 * 3.0, 1.5 * 3.0, 0.5 * 3.0 * 1.5])  # block scale 3 (an E4M3 value)
+    x[2, 0] = 6.0 * 2.0**-8  # block scale 2**-8: an E4M3 subnormal (torchao would clamp it to 2**-6)
+    x[3, 0] = 6.0 * 2.0**-11  # block scale 2**-11 rounds to 0 in E4M3: the block flushes
+    q = quantize_blocks(x, NVFP4, with_stats=True)
+    assert q.tensor_scale.item() == 1.0
+    assert q.block_scales.flatten().tolist() == [448.0, 3.0, 2.0**-8, 0.0]
+    expected_1 = nearest_even_reference(x[1] / 3.0, fp4) * 3.0
+    assert torch.equal(q.dequantized[1], expected_1)
+    assert q.dequantized[2, 0].item() == 6.0 * 2.0**-8
+    assert (q.dequantized[3] == 0).all() and q.flushed.item() >= 1
+    # the tensor scale is amax / (448 * 6) and cancels: scaling the tensor by 2**k scales the result
+    q2 = quantize_blocks(x * 2.0**-20, NVFP4)
+    assert q2.tensor_scale.item() == 2.0**-20 and torch.equal(q2.dequantized, q.dequantized * 2.0**-20)
+
+
+def test_nvfp4_block_scale_rounding_can_saturate_elements() -> None:
+    """A block scale that rounds down makes the block's amax exceed 6 in element units: it clamps."""
+    x = torch.zeros(2, 16)
+    x[0, 0] = 2688.0
+    x[1, 0] = 6.0 * 13.2  # amax/6 = 13.2 rounds to the E4M3 value 13: 13.2 * 6 / 13 > 6 saturates
+    q = quantize_blocks(x, NVFP4, with_stats=True)
+    assert q.block_scales[1].item() == 13.0 and q.dequantized[1, 0].item() == 6.0 * 13.0
+    assert q.saturated.item() == 1
+
+
+def test_two_d_tiles_quantize_w_and_w_transposed_alike() -> None:
+    w = wide_blocks(48, 40, seed=2, spread=4)
+    for fmt in (NVFP4, BLOCK_FORMATS["mxfp8"]):
+        q = quantize_blocks(w, fmt, block_2d=True)
+        qt = quantize_blocks(w.t().contiguous(), fmt, block_2d=True)
+        assert torch.equal(q.dequantized, qt.dequantized.t())
+    tiles = quantize_blocks(w, NVFP4, block_2d=True)
+    assert tiles.block_scales.shape == (3, 3)  # 48x40 -> 3x3 tiles of 16x16 (40 padded to 48)
+    amax = w[16:32, 16:32].abs().max()  # one scale for the whole 16x16 tile
+    expected = nearest_even_reference((amax / 6.0 / tiles.tensor_scale).reshape(1), E4M3)
+    assert tiles.block_scales[1, 1].item() == expected.item()
+
+
+# --------------------------------------------------------------------------------------------
+# torchao's reference quantizers (CPU)
+
+
+TORCHAO_MX = {
+    "mxfp8": "float8_e4m3fn", "mxfp8_e5m2": "float8_e5m2", "mxfp6": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2",
+    "mxfp4": "float4_e2m1fn_x2",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", MX, ids=ids)
+def test_mx_agrees_bit_for_bit_with_torchao(fmt: BlockFormat) -> None:
+    pytest.importorskip("torchao")
+    mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    name = TORCHAO_MX[fmt.name]
+    elem = getattr(torch, name, name)  # FP6 element dtypes are strings in torchao
+    x = wide_blocks(64, 256, seed=3)
+    scale, data = mx_tensor.to_mx(x, elem, 32)
+    ref = mx_tensor.to_dtype(data, scale, elem, 32, torch.float32)
+    q = quantize_blocks(x, fmt)
+    assert torch.equal(q.e8m0_codes, scale.view(torch.uint8))
+    assert torch.equal(q.dequantized, ref)
+
+
+def test_nvfp4_agrees_bit_for_bit_with_torchao() -> None:
+    pytest.importorskip("torchao")
+    nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 256, generator=g) * torch.exp2(torch.randint(-3, 4, (64, 1), generator=g).float())
+    t = nv.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=nv.per_tensor_amax_to_scale(x.abs().amax()))
+    q = quantize_blocks(x, NVFP4)
+    assert (t.scale.float() >= 2.0**-6).all()  # torchao's lower clamp on block scales does not bite here
+    assert q.tensor_scale.item() == t.per_tensor_scale.item()
+    assert torch.equal(q.block_scales, t.scale.float())
+    assert torch.equal(q.dequantized, t.dequantize(torch.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# stochastic rounding of blocks
+
+
+@pytest.mark.parametrize("fmt", [BLOCK_FORMATS["mxfp4"], NVFP4], ids=ids)
+def test_block_stochastic_rounding_is_unbiased_and_uses_its_generator(fmt: BlockFormat) -> None:
+    n = 4000
+    x = torch.zeros(n, fmt.block_size)
+    x[:, 0] = 6.0  # fixes the block scale: elements in units of 1 (MX: 2**(2-2)) or 6/6 (NVFP4)
+    x[:, 1] = 2.4  # between the E2M1 grid points 2 and 3
+    before = torch.get_rng_state()
+    q = quantize_blocks(x, fmt, stochastic=True, generator=torch.Generator().manual_seed(5)).dequantized
+    assert torch.equal(torch.get_rng_state(), before)
+    unit = q[0, 0].item() / 6.0
+    vals = q[:, 1] / unit
+    assert set(vals.unique().tolist()) <= {2.0, 3.0}
+    sigma = math.sqrt(0.4 * 0.6 / n)
+    assert abs(vals.mean().item() - 2.4) < 5 * sigma
+    rne = quantize_blocks(x, fmt).dequantized[:, 1] / unit
+    assert (rne == 2.0).all()  # round-to-nearest is biased by 0.4 here: far outside the bound
+
+
+# --------------------------------------------------------------------------------------------
+# the quantized layers
+
+
+def recipe_for(name: str, **kw: object) -> GemmRecipe:
+    fmt = BLOCK_FORMATS[name]
+    return GemmRecipe(quantizer=BlockQuantizer(fmt, rng=RngStreams(0)), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("weight_2d", [False, True])
+def test_linear_grads_are_fp32_gemms_of_quantized_operands(name: str, weight_2d: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    x = (torch.randn(5, 8, 64) * 3).requires_grad_()
+    y = QuantLinearFn.apply(x, lin.weight, lin.bias, recipe_for(name, weight_2d=weight_2d))
+    dy = torch.randn_like(y)
+    y.backward(dy)
+
+    def fq(t: torch.Tensor, dim: int, role: str = "") -> torch.Tensor:
+        if role == "weight" and weight_2d:
+            return fake_quantize(t.detach(), name, block_2d=True)
+        return fake_quantize(t.detach(), name, dim)
+
+    x2, g2 = x.detach().reshape(40, 64), dy.reshape(40, 48)
+    y_ref = fq(x2, 1) @ fq(lin.weight, 1, "weight").t() + lin.bias.detach()
+    dx_ref = fq(g2, 1) @ fq(lin.weight, 0, "weight")  # dgrad: both along out_features
+    dw_ref = fq(g2, 0).t() @ fq(x2, 0)  # wgrad: both along tokens
+    exact = not BLOCK_FORMATS[name].two_level  # NVFP4: the tensor scales multiply the product, not the operands
+    check = torch.testing.assert_close if not exact else (lambda a, b: torch.equal(a, b) or pytest.fail("differs"))
+    kw = {} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    check(y.detach().reshape(40, 48), y_ref, **kw)
+    check(x.grad.reshape(40, 64), dx_ref, **kw)
+    check(lin.weight.grad, dw_ref, **kw)
+    assert torch.equal(lin.bias.grad, g2.sum(0))
+
+
+def test_conv_forward_is_the_im2col_gemm_blocked_along_taps_channels() -> None:
+    """Channels-last implicit GEMM: K runs over (kh, kw, C_in); with C_in = 32 a block is one tap's
+    channels, so blocking the NCHW input per pixel along C equals blocking im2col along K."""
+    torch.manual_seed(1)
+    conv = nn.Conv2d(32, 16, 3, stride=2, padding=1, bias=False)
+    x = torch.randn(2, 32, 9, 9).requires_grad_()
+    y = QuantConv2dFn.apply(x, conv.weight, None, recipe_for("mxfp8"), conv.stride, conv.padding, conv.dilation)
+    cols = F.unfold(x.detach(), 3, padding=1, stride=2)  # (N, C*kh*kw, L), K ordered (C, kh, kw)
+    n, _, L = cols.shape
+    cols_hwc = cols.reshape(n, 32, 9, L).transpose(1, 2).reshape(n, 288, L)  # K ordered (kh, kw, C)
+    w_hwc = conv.weight.detach().permute(0, 2, 3, 1).reshape(16, 288)
+    ref = fake_quantize(w_hwc, "mxfp8", 1) @ fake_quantize(cols_hwc, "mxfp8", 1)  # (N, C_out, L)
+    torch.testing.assert_close(y.detach().reshape(n, 16, L), ref, rtol=1e-5, atol=1e-5)
+
+    # dgrad: the transposed GEMM, blocked along C_out, folded back (an independent path: fold, not conv)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    g = fake_quantize(dy.reshape(n, 16, L), "mxfp8", 1)
+    w_d = fake_quantize(conv.weight.detach().reshape(16, 288), "mxfp8", 0)
+    dx_ref = F.fold(w_d.t() @ g, (9, 9), 3, padding=1, stride=2)
+    torch.testing.assert_close(x.grad, dx_ref, rtol=1e-5, atol=1e-5)
+    # wgrad: along the batch x output-pixel dim
+    a = fake_quantize(dy.permute(1, 0, 2, 3).reshape(16, -1), "mxfp8", 1)
+    b = fake_quantize(cols.permute(1, 0, 2).reshape(288, -1), "mxfp8", 1)
+    torch.testing.assert_close(conv.weight.grad.reshape(16, 288), a @ b.t(), rtol=1e-5, atol=1e-5)
+
+
+class _Identity:
+    """A quantizer that quantizes nothing (to check the Hadamard transform alone)."""
+
+    def __call__(self, x: torch.Tensor, dim: int, role: str) -> tuple[torch.Tensor, None]:
+        return x.float(), None
+
+
+def test_hadamard_is_orthogonal_and_seeded() -> None:
+    h = hadamard_matrix(16)
+    assert torch.equal(h @ h.t(), torch.eye(16)) and set(h.abs().unique().tolist()) == {0.25}
+    before = torch.get_rng_state()
+    s1, s2 = random_signs(torch.Generator().manual_seed(3)), random_signs(torch.Generator().manual_seed(3))
+    assert torch.equal(torch.get_rng_state(), before) and torch.equal(s1, s2) and set(s1.tolist()) <= {-1.0, 1.0}
+    x = torch.randn(5, 32)
+    t = random_hadamard(x, 1, s1)
+    torch.testing.assert_close(t.norm(dim=1), x.norm(dim=1))
+
+
+def wgrad(recipe: GemmRecipe, x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    w = w.detach().clone().requires_grad_()
+    QuantLinearFn.apply(x, w, None, recipe).backward(dy)
+    assert w.grad is not None
+    return w.grad
+
+
+def test_hadamard_cancels_in_the_wgrad_gemm() -> None:
+    g = torch.Generator().manual_seed(6)
+    # integers: every product and sum below is exact in FP32, so "cancels" can be checked exactly
+    x = torch.randint(-8, 8, (37, 24), generator=g).float()  # 37 tokens: padded to 48 for the transform
+    dy = torch.randint(-8, 8, (37, 20), generator=g).float()
+    w = torch.zeros(20, 24)
+    signs = GemmRecipe.signs(1)
+    plain = wgrad(GemmRecipe(_Identity()), x, dy, w)
+    rht = wgrad(GemmRecipe(_Identity(), hadamard_signs=signs), x, dy, w)
+    assert torch.equal(plain, dy.t() @ x) and torch.equal(rht, plain)
+
+    # quantized (NVFP4): equal up to quantization error, and the transform does change the operands
+    x, dy = torch.randn(256, 64, generator=g), torch.randn(256, 32, generator=g)
+    exact = dy.t() @ x
+    q_plain = wgrad(recipe_for("nvfp4"), x, dy, torch.zeros(32, 64))
+    q_rht = wgrad(recipe_for("nvfp4", hadamard_signs=signs), x, dy, torch.zeros(32, 64))
+    err = lambda a: ((a - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert not torch.equal(q_plain, q_rht)
+    assert err(q_plain) < 0.25 and err(q_rht) < 0.25
+
+
+# --------------------------------------------------------------------------------------------
+# conversion, decisions and precision=mx
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 32, 3, padding=1)
+        self.dw = nn.Conv2d(32, 32, 3, padding=1, groups=32)
+        self.body = nn.Conv2d(32, 64, 3, padding=1)
+        self.up = nn.ConvTranspose2d(64, 32, 2, stride=2)
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 16 * 16, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.up(F.relu(self.body(self.dw(self.stem(x))))))
+
+
+def test_convert_records_a_decision_per_gemm_layer() -> None:
+    model, state = convert_model(Net(), {"format": "mxfp8", "keep_high": ["head.*"], "keep_first": 1})
+    d = {x.name: x for x in state.decisions}
+    assert list(d) == ["stem", "dw", "body", "up", "head.1", "head.3"]
+    assert all(isinstance(x, LayerDecision) for x in state.decisions)
+    assert (d["stem"].format, d["stem"].reason) == ("high", "first layer (keep_first=1)")
+    assert d["dw"].format == "high" and "groups=32" in d["dw"].reason
+    assert d["body"].format == "mxfp8" and d["body"].kind == "conv2d"
+    assert d["up"].format == "high" and d["up"].kind == "conv_transpose2d"
+    assert d["head.1"].reason == "keep_high pattern 'head.*'"
+    assert list(model.state_dict()) == list(Net().state_dict())
+    out = model(torch.randn(2, 3, 8, 8))
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+    _, nv = convert_model(Net(), {"format": "nvfp4", "pad_blocks": False})
+    d = {x.name: x for x in nv.decisions}
+    assert d["stem"].reason == "reduction dim C_in=3 not divisible by block 16 (pad_blocks=false)"
+    assert d["head.3"].format == "high" and d["head.3"].reason.startswith("last layer (keep_last=null")
+    _, none_kept = convert_model(Net(), {"format": "nvfp4", "keep_last": 0})
+    assert {x.name: x.format for x in none_kept.decisions}["head.3"] == "nvfp4"
+
+
+def make_cfg(*overrides: str) -> DictConfig:
+    from conftest import compose, on_cpu
+
+    return compose(on_cpu(list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("precision.format=mxfp3", "precision.format='mxfp3': must be one of mxfp8, mxfp8_e5m2, mxfp6"),
+        ("precision.emulated_compute=fp16", "precision.emulated_compute='fp16': must be one of fp32, bf16"),
+        ("precision.keep_last=-1", "precision.keep_last=-1: must be an integer >= 0"),
+    ],
+)
+def test_bad_mx_options_are_one_line_errors(override: str, message: str) -> None:
+    cfg = make_cfg(*tiny("alexnet", "precision=mx", override))
+    with pytest.raises(MptrainError, match=message.replace("(", r"\(")):
+        validate(cfg)
+
+
+def test_mx_is_refused_for_the_lstm_lm() -> None:
+    cfg = make_cfg("model=lstm_lm_tiny", "precision=mx")
+    with pytest.raises(MptrainError, match=r"precision=mx with model=lstm_lm_tiny: MX converts nn\.Linear/Conv"):
+        validate(cfg)
+
+
+def test_mx_needs_no_loss_scale_and_describes_its_layers() -> None:
+    from mptrain.scalers import resolve_policy
+
+    p = build_precision(OmegaConf.create({"name": "mx", "format": "mxfp6"}), torch.device("cpu"))
+    assert resolve_policy("auto", p.resolved, p.fp8) == "none"
+    p.prepare_model(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)))
+    detail = p.describe()["mx_layers"]
+    assert detail["format"] == "mxfp6" and [x["format"] for x in detail["decisions"]] == ["mxfp6", "mxfp6"]
+    with pytest.raises(MptrainError, match=r"precision\.format='fp4'"):
+        build_precision(OmegaConf.create({"name": "mx", "format": "fp4"}), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp4", "nvfp4"])
+def test_tiny_run_per_format(run_dir: Path, fmt: str) -> None:
+    summary = run_job(run_dir, *tiny("alexnet", "precision=mx", f"precision.format={fmt}", "trainer.max_steps=3"))
+    assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
+    assert summary["loss_scale"] == "none"
+    layers = summary["precision_detail"]["mx_layers"]
+    assert layers["format"] == fmt and layers["converted"]
+    assert len(layers["decisions"]) == 8  # alexnet: 5 convs, 3 linears
+
+
+def test_tiny_run_fp8_hybrid_rowwise(run_dir: Path) -> None:
+    summary = run_job(
+        run_dir, *tiny("alexnet", "precision=fp8", "precision.format=hybrid", "precision.scaling=rowwise",
+                       "trainer.max_steps=3"),
+    )  # fmt: skip
+    assert summary["status"] == "completed" and math.isfinite(summary["final_loss"])
+    decisions = summary["precision_detail"]["fp8_layers"]["decisions"]
+    assert [d["format"] for d in decisions] == ["fp8_hybrid"] * 8
+
+
+def test_fp8_rowwise_layer_quantizes_each_gemm_along_its_reduction_dim() -> None:
+    from mptrain.fp8 import convert_model as convert_fp8
+    from mptrain.numerics.formats import E5M2
+    from mptrain.numerics.qgemm import axiswise_round
+
+    torch.manual_seed(3)
+    lin = nn.Linear(24, 12)
+    model, state = convert_fp8(
+        nn.Sequential(copy.deepcopy(lin), nn.ConvTranspose2d(2, 2, 2)),
+        {"format": "hybrid", "scaling": "rowwise", "master_weights": "fp32", "stochastic_rounding": False},
+    )
+    assert [d.format for d in state.decisions] == ["fp8_hybrid", "high"]
+    assert state.decisions[1].reason == "no row-wise emulation for ConvTranspose2d"
+    x = (torch.randn(10, 24) * torch.exp2(torch.randint(-6, 6, (10, 1)).float())).requires_grad_()
+    y = model[0](x)
+    dy = torch.randn_like(y) * 1e-3
+    y.backward(dy)
+    e4 = E4M3
+    assert torch.equal(y.detach(), axiswise_round(x.detach(), e4, 1) @ axiswise_round(lin.weight, e4, 1).t() + lin.bias)
+    assert torch.equal(x.grad, axiswise_round(dy, E5M2, 1) @ axiswise_round(lin.weight, e4, 0))
+    assert torch.equal(model[0].weight.grad, axiswise_round(dy, E5M2, 0).t() @ axiswise_round(x.detach(), e4, 0))
+
+
+def test_axiswise_scales_are_powers_of_two_that_fit() -> None:
+    from mptrain.numerics.qgemm import axiswise_round
+
+    x = torch.randn(8, 40) * torch.exp2(torch.randint(-30, 30, (8, 1)).float())
+    x[3] = 0
+    q = axiswise_round(x, E4M3, 1)
+    assert torch.equal(q[3], x[3])
+    for row, qrow in zip(x, q, strict=True):
+        amax = row.abs().max().item()
+        if amax == 0:
+            continue
+        k = math.floor(math.log2(E4M3.max_normal / amax))
+        scaled = row.double() * 2.0**k
+        assert scaled.abs().max() <= E4M3.max_normal < scaled.abs().max() * 2
+        assert torch.equal(qrow, (nearest_even_reference(scaled.float(), E4M3).double() / 2.0**k).float())
