@@ -216,8 +216,7 @@ class Engine:
                 self.task.loss(self.slots[0].objective, batch)
 
         try:
-            torchao = (self.precision.fp8_state.recipe or "tensorwise") if self.precision.fp8 == "torchao" else None
-            return build_plan(self.task.modules, forward, self.precision.plan_default(), torchao=torchao)
+            return build_plan(self.task.modules, forward, self.precision.plan_default())
         finally:
             self.task.load_state_dict(state)
 

@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
-from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed
+from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed, tag
 from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
 
 log = logging.getLogger(__name__)
@@ -504,6 +504,7 @@ def convert_model(
             module.fp8_recipe = recipe  # type: ignore[assignment]
         converted.append(name)
         decisions.append(LayerDecision(name, kind or type(module).__name__.lower(), label, f"scaling={scaling}"))
+    tag(model, decisions)
     if not converted:
         log.warning(
             "precision=fp8 (emulated): the model has no Linear/Conv2d/ConvTranspose2d layer to convert"
@@ -530,6 +531,12 @@ def convert_model(
         ", ".join(n or "<root>" for n in converted),
     )
     return model, state
+
+
+def _torchao_reason(m: nn.Module) -> str:
+    if not isinstance(m, nn.Linear):
+        return f"torchao float8 converts nn.Linear only, not {type(m).__name__}"
+    return f"{m.in_features}x{m.out_features}: not divisible by 16, as float8 GEMMs need"
 
 
 def _fp8_eligible(m: nn.Linear) -> bool:
@@ -566,10 +573,11 @@ def _convert_torchao(
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     decisions = [
-        LayerDecision(n, kind, f"torchao_{recipe}", "Float8Linear") if n in converted
-        else LayerDecision(n, kind, "high", "not an nn.Linear with in/out features divisible by 16")
+        LayerDecision(n, kind or "linear", f"torchao_{recipe}", "Float8Linear") if n in converted
+        else LayerDecision(n, kind, "high", _torchao_reason(m))
         for n, m in model.named_modules() if (kind := gemm_kind(m)) is not None or n in converted
     ]  # fmt: skip
+    tag(model, decisions)
     if state is None:
         state = Fp8State(backend="torchao", recipe=recipe)
     state.add(type(model).__name__, model, converted, decisions)

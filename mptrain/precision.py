@@ -183,9 +183,8 @@ class Precision:
 
     def plan_default(self) -> tuple[str, str]:
         """(format, reason) of a GEMM layer this mode computes in its own dtype, for the plan."""
-        if self.fp8 == "emulated":
-            compute = str(self.options.get("emulated_compute", "fp32"))
-            return compute, "not converted: computed in precision.emulated_compute"
+        if self.fp8 == "emulated" or self.mx is not None:
+            return str(self.options.get("emulated_compute") or "fp32"), "computed in precision.emulated_compute"
         if self.autocast_dtype is not None:
             name = str(self.autocast_dtype).replace("torch.", "").replace("float16", "fp16")
             return name, f"autocast ({self.resolved})"

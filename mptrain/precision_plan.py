@@ -13,9 +13,8 @@ so GEMMs outside layers (attention's QK^T and AV) count as not converted.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -131,39 +130,25 @@ def _cuda_devices(modules: dict[str, nn.Module]) -> list[int]:
     return sorted({p.device.index or 0 for m in modules.values() for p in m.parameters() if p.is_cuda})
 
 
-def layer_format(module: nn.Module, name: str, default: tuple[str, str],
-                 torchao: str | None = None, keep_high: Iterable[str] = ()) -> tuple[str, str, bool]:
-    """(format, reason, low_precision) of one layer, from what the precision did to it."""
-    spec = getattr(module, "fp8_spec", None)
-    if spec is not None:
-        scaling = "per-tensor scales" if spec.scaling == "tensor" else "no per-tensor scaling"
-        fmt = f"fp8 {spec.forward.name.lower()} / {spec.backward.name.lower()} grads"
-        return fmt, f"emulated FP8 ({scaling})", True
-    if type(module).__name__ == "Float8Linear":
-        return "fp8 (torchao)", f"torchao float8, {torchao or 'tensorwise'} recipe", True
-    decision = getattr(module, "precision_decision", None)  # set by converters that keep some layers high
-    if decision is not None:
-        return decision.format, decision.reason, decision.low_precision
-    if torchao is not None:
-        if not isinstance(module, nn.Linear):
-            return default[0], "kept high: torchao float8 converts nn.Linear only", False
-        if module.in_features % 16 or module.out_features % 16:
-            dims = f"{module.in_features}x{module.out_features}"
-            return default[0], f"kept high: {dims} is not divisible by 16 (float8 GEMMs need it)", False
-    for pattern in keep_high:
-        if fnmatch.fnmatch(name, pattern):
-            return default[0], f"kept high: precision.keep_high pattern {pattern!r}", False
-    return default[0], default[1], False
+def layer_format(module: nn.Module, default: tuple[str, str]) -> tuple[str, str, bool]:
+    """(format, reason, below 16 bits) of one layer. The FP8 and MX converters tag every GEMM layer
+    they considered with its decision (``precision_decision``); any other layer computes in the
+    mode's own dtype, ``default``."""
+    decision = getattr(module, "precision_decision", None)
+    if decision is None:
+        return default[0], default[1], False
+    if decision.format == "high":
+        return default[0], f"kept high: {decision.reason}", False
+    return decision.format, decision.reason, True
 
 
-def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], default: tuple[str, str],
-               torchao: str | None = None, keep_high: Iterable[str] = ()) -> PrecisionPlan:
+def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], default: tuple[str, str]) -> PrecisionPlan:
     """The plan of the task's networks after the precision prepared them. ``default``: (format,
     reason) of a layer the mode computes in its own dtype (e.g. ("bf16", "autocast"))."""
     flops, total = measure(modules, forward)
     layers = []
     for name, m in gemm_layers(modules):
-        fmt, reason, low = layer_format(m, name, default, torchao, keep_high)
+        fmt, reason, low = layer_format(m, default)
         layers.append(LayerPlan(name, _kind(m), fmt, reason, flops.get(id(m), 0), low))
     return PrecisionPlan(layers, max(total, sum(layer.flops for layer in layers)))
 

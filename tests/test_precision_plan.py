@@ -52,16 +52,29 @@ def test_lstm_flops_are_four_gates_over_input_and_hidden_per_layer():
     assert [(layer.kind, layer.flops) for layer in plan.layers] == [("lstm", 15 * per_token)]
 
 
-def test_layer_format_names_why_torchao_keeps_a_layer_high():
-    class Float8Linear(nn.Linear):  # torchao's converted class, by name
-        pass
+def test_torchao_plan_says_which_layers_it_left_and_why():
+    # Module conversion runs on the CPU with the real torchao (the test extra): a ResNet-like head.
+    pytest.importorskip("torchao.float8")
+    from mptrain.fp8 import convert_model
 
-    default = ("bf16", "autocast")
-    assert layer_format(Float8Linear(32, 16), "a", default, torchao="rowwise")[2] is True
-    fmt, reason, low = layer_format(nn.Linear(2048, 100), "fc", default, torchao="rowwise")
-    assert (fmt, low) == ("bf16", False) and "2048x100 is not divisible by 16" in reason
-    assert "converts nn.Linear only" in layer_format(nn.Conv2d(3, 8, 3), "conv1", default, torchao="rowwise")[1]
-    assert "pattern 'head*'" in layer_format(nn.Linear(16, 16), "head.0", default, keep_high=["head*"])[1]
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 32), nn.Linear(32, 10))
+    model, _ = convert_model(model, {"backend": "torchao", "recipe": "rowwise"})
+    formats = {name: layer_format(m, ("bf16", "autocast"))
+               for name, m in model.named_modules() if name in ("0", "2", "3")}
+    assert formats["2"] == ("torchao_rowwise", "Float8Linear", True)
+    assert formats["3"][:2] == ("bf16", "kept high: 32x10: not divisible by 16, as float8 GEMMs need")
+    assert formats["0"][1] == "kept high: torchao float8 converts nn.Linear only, not Conv2d"
+
+
+def test_nvfp4_plan_keeps_the_last_layers_high_and_counts_the_rest(tmp_path):
+    s = run_job(tmp_path, "model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4",
+                "data.batch_size=4", "trainer.max_steps=1")
+    layers = s["precision_plan"]["layers"]
+    assert layers[-1]["name"] == "lm_head" and layers[-1]["reason"].startswith("kept high: last layer")
+    low = [layer for layer in layers if layer["low_precision"]]
+    assert low and all(layer["format"] == "nvfp4" for layer in low)
+    fraction = sum(layer["flops"] for layer in low) / s["precision_plan"]["total_flops"]
+    assert s["precision_plan"]["low_precision_flop_fraction"] == pytest.approx(fraction) and fraction < 1
 
 
 def test_every_run_writes_its_plan(tmp_path):
@@ -73,7 +86,7 @@ def test_every_run_writes_its_plan(tmp_path):
 
     s = run_job(tmp_path / "fp8", *tiny("alexnet", "precision=fp8", "trainer.max_steps=1"))
     plan = s["precision_plan"]
-    assert all(layer["format"].startswith("fp8 e5m2") for layer in plan["layers"])
+    assert {layer["format"] for layer in plan["layers"]} == {"fp8_e5m2"}
     assert plan["low_precision_flop_fraction"] == pytest.approx(1.0)
 
 

@@ -63,6 +63,13 @@ def gemm_kind(module: nn.Module) -> str | None:
     return None
 
 
+def tag(model: nn.Module, decisions: list[LayerDecision]) -> None:
+    """Attach each decision to its layer (``precision_decision``), so the precision plan reads what
+    the converter did from the layer itself, whatever the task calls its networks."""
+    for d in decisions:
+        model.get_submodule(d.name).precision_decision = d  # type: ignore[assignment]
+
+
 def prefixed(network: str, decisions: list[LayerDecision]) -> list[LayerDecision]:
     return [LayerDecision(f"{network}.{d.name}" if d.name else network, d.kind, d.format, d.reason) for d in decisions]
 
@@ -275,6 +282,7 @@ def convert_model(
         log.warning(
             "precision=mx: no layer of %s computes in %s (see the decisions)", type(model).__name__, opts.format.name
         )
+    tag(model, decisions)
     state.add(type(model).__name__, model, decisions)
     log.info(
         "mx emulated %s: %d of %d GEMM layers of %s quantized; high: %s", opts.format.name,
