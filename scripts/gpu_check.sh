@@ -45,8 +45,9 @@ export MPTRAIN_RUNS=$WORK/runs PYTHONUNBUFFERED=1
 
 # 0. First: do the carried wheels import against this machine's torch? Nothing else can work if not.
 stage imports 60 python3 - <<'EOF'
-import platform, subprocess, torch
-print("gpu", torch.cuda.get_device_name(), "| python", platform.python_version(), "| torch", torch.__version__,
+import platform, torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (a dry run: the CUDA tests skip)"
+print("gpu", gpu, "| python", platform.python_version(), "| torch", torch.__version__,
       "| cuda", torch.version.cuda, "| cudnn", torch.backends.cudnn.version())
 import hydra, omegaconf, torchao, torchao.float8  # noqa: E401
 import mptrain.engine  # noqa: F401
