@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from mptrain.bench_common import stamp
+from mptrain.bench.common import stamp
 from mptrain.config import ClassifierModelConfig, FP8PrecisionConfig, MXPrecisionConfig, PrecisionConfig
 from mptrain.hardware import device_capability
 from mptrain.models import create_model

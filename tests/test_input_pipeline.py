@@ -19,7 +19,7 @@ from conftest import run_job
 from omegaconf import DictConfig, OmegaConf
 from PIL import Image
 
-from mptrain.bench_data import make_jpeg_tree
+from mptrain.bench.data import make_jpeg_tree
 from mptrain.config import DataConfig
 from mptrain.data import ImageData, build_image_data
 from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw, collate_uint8

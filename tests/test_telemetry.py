@@ -20,19 +20,17 @@ from mptrain.errors import MptrainError
 from mptrain.loss_scaling import NoScaler, StaticScaler
 from mptrain.models.lstm import LSTMLanguageModel
 from mptrain.precision import Precision, build_precision
-from mptrain.telemetry import (
+from mptrain.telemetry import GradientTelemetry, build_telemetry, select_layers
+from mptrain.telemetry_stats import (
     FORMATS,
     HIST_HI,
     HIST_LO,
     N_BINS,
-    GradientTelemetry,
     LogHistogram,
     _count_bins_indexed,
     _write_histogram,
-    build_telemetry,
     grad_stats,
     resolve_formats,
-    select_layers,
     summarize,
 )
 

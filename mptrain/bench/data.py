@@ -339,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    from mptrain.bench_common import device_name, stamp
-    from mptrain.bench_common import slug as _slug
+    from mptrain.bench.common import device_name, stamp
+    from mptrain.bench.common import slug as _slug
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -1,6 +1,6 @@
-"""What both benchmark harnesses (``mptrain.bench``, ``mptrain.bench_data``) stamp their results with.
+"""What both benchmark harnesses (``mptrain.bench.harness``, ``mptrain.bench.data``) stamp their results with.
 
-Its own module so that ``mptrain-bench`` can hand ``data`` to ``bench_data`` without the two
+Its own module so that ``mptrain-bench`` can hand ``data`` to ``mptrain.bench.data`` without the two
 importing each other.
 """
 
