@@ -262,7 +262,7 @@ class SchedConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# gradient telemetry (mptrain/telemetry.py)
+# gradient telemetry (mptrain/numerics/telemetry.py)
 
 
 @dataclass

@@ -44,13 +44,13 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.loss_scaling import LossScaler
+from mptrain.numerics.loss_scaling import LossScaler
+from mptrain.numerics.plan import PrecisionPlan, build_plan, render
+from mptrain.numerics.precision import MasterWeights, Precision, build_precision
+from mptrain.numerics.scalers import build_scaler, resolve_policy
+from mptrain.numerics.telemetry import GradientTelemetry, build_telemetry
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
-from mptrain.precision import MasterWeights, Precision, build_precision
-from mptrain.precision_plan import PrecisionPlan, build_plan, render
-from mptrain.scalers import build_scaler, resolve_policy
 from mptrain.tasks import Objective, Task, build_task
-from mptrain.telemetry import GradientTelemetry, build_telemetry
 
 log = logging.getLogger("mptrain")
 

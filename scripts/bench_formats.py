@@ -2,7 +2,7 @@
 (hybrid: E4M3 forward, E5M2 backward; per-tensor and row-wise scaling) and emulated MX / NVFP4.
 
 One training step = forward, cross-entropy, backward, SGD step and the precision's after_step, with
-each mode built through ``mptrain.precision.build_precision`` and ``prepare_model`` from the
+each mode built through ``mptrain.numerics.precision.build_precision`` and ``prepare_model`` from the
 configs' defaults (the recipe defaults of each format: NVFP4 with stochastic rounding, Hadamard,
 16x16 weight tiles and its last 15% of GEMM layers high). Modes run in interleaved rounds
 (fp32, fp8..., mx..., fp32, ...) so that a shared machine's drift hits all of them alike; the
@@ -29,7 +29,7 @@ from mptrain.bench.common import stamp
 from mptrain.config import ClassifierModelConfig, FP8PrecisionConfig, MXPrecisionConfig, PrecisionConfig
 from mptrain.hardware import device_capability
 from mptrain.models import create_model
-from mptrain.precision import build_precision
+from mptrain.numerics.precision import build_precision
 
 MODES: dict[str, Any] = {
     "fp32": PrecisionConfig(name="fp32"),

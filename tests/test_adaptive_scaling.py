@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mptrain.adaptive_scaling import AdaptiveScaler, join_scale, layer_scale
 from mptrain.errors import MptrainError
+from mptrain.numerics.adaptive_scaling import AdaptiveScaler, join_scale, layer_scale
 
 CPU = torch.device("cpu")
 TINY = 2.0**-20  # loss multiplier that makes gradients small enough for per-layer scales > 1
@@ -498,7 +498,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
 
 
 def test_fp16_model_with_master_weights_via_alias_params() -> None:
-    from mptrain.precision import MasterWeights
+    from mptrain.numerics.precision import MasterWeights
 
     torch.manual_seed(0)
     model = MLP()

@@ -12,11 +12,11 @@ from conftest import run_cli, run_job, tiny
 from omegaconf import OmegaConf
 from torch import nn
 
-from mptrain import precision as precision_mod
-from mptrain.adaptive_scaling import AdaptiveScaler
 from mptrain.errors import MptrainError
 from mptrain.hardware import DeviceCapability
-from mptrain.loss_scaling import DynamicScaler, NoScaler, StaticScaler
+from mptrain.numerics import precision as precision_mod
+from mptrain.numerics.adaptive_scaling import AdaptiveScaler
+from mptrain.numerics.loss_scaling import DynamicScaler, NoScaler, StaticScaler
 
 PRECISIONS = ["fp32", "tf32", "amp_fp16", "amp_bf16", "mixed", "fp16_master", "bf16_pure", "fp8"]
 POLICIES = ["none", "auto", "static", "dynamic", "enhanced", "adaptive"]

@@ -140,7 +140,7 @@ def test_adaptive_scales_agree_across_ranks(tmp_path):
 SKIP_HOOK = """
 import os
 if os.environ.get("RANK") is not None and os.environ.get("MPTRAIN_TEST_SKIPS"):
-    import mptrain.loss_scaling as _ls
+    import mptrain.numerics.loss_scaling as _ls
     import mptrain.tasks.classification as _cls
 
     _loss, _update, _calls = _cls.ClassificationTask.loss, _ls.DynamicScaler.update, [0]
@@ -195,7 +195,7 @@ def _agree_worker(rank: int, init_file: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from mptrain.adaptive_scaling import AdaptiveScaler
+    from mptrain.numerics.adaptive_scaling import AdaptiveScaler
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     scaler = AdaptiveScaler(torch.device("cpu"))

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from mptrain import fp8
 from mptrain.errors import MptrainError
-from mptrain.fp8 import E4M3, E5M2, FP16, Fp8Format, quantize, quantize_scaled, stochastic_round, tensor_scale
-from mptrain.precision import Precision, build_precision
+from mptrain.numerics import fp8
+from mptrain.numerics.fp8 import E4M3, E5M2, FP16, Fp8Format, quantize, quantize_scaled, stochastic_round, tensor_scale
+from mptrain.numerics.precision import Precision, build_precision
 
 FP8_FORMATS = [E5M2, E4M3]
 ALL_FORMATS = [E5M2, E4M3, FP16]
@@ -515,7 +515,7 @@ def test_emulated_layer_output_can_be_modified_in_place() -> None:
 
 def _unscaled_update(scaling: str, loss_scale: float, stochastic: bool = False) -> tuple[list[torch.Tensor], float]:
     """One SGD step of a small FP8 model through a static loss scaler: (updated weights, found_inf)."""
-    from mptrain.loss_scaling import StaticScaler
+    from mptrain.numerics.loss_scaling import StaticScaler
 
     torch.manual_seed(5)
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

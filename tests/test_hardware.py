@@ -15,9 +15,9 @@ from test_gan import TINY_GAN
 from test_language_model import TINY_LM
 
 from mptrain import hardware
-from mptrain import precision as precision_mod
 from mptrain.hardware import DeviceCapability, device_capability, lstm_path
 from mptrain.models.lstm import LSTMLanguageModel
+from mptrain.numerics import precision as precision_mod
 
 CPU = torch.device("cpu")
 AVX2 = DeviceCapability("cpu", "AVX2", native_fp16=False, native_bf16=False, detail="AVX2")
@@ -49,7 +49,7 @@ def test_mixed_on_a_cpu_without_bf16_says_why_and_how_to_force_it(monkeypatch):
 @pytest.mark.parametrize("name", ["amp_bf16", "amp_fp16", "fp16_master", "bf16_pure", "fp8"])
 def test_an_explicit_emulated_mode_runs_but_warns_once_with_a_slowdown(monkeypatch, caplog, name):
     monkeypatch.setattr(precision_mod, "emulation_slowdown", lambda dtype: 17.0)
-    with caplog.at_level(logging.WARNING, logger="mptrain.precision"):
+    with caplog.at_level(logging.WARNING, logger="mptrain.numerics.precision"):
         p = build(name, AVX2, monkeypatch)
     assert p.resolved == name  # it still runs what was asked
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -60,7 +60,7 @@ def test_an_explicit_emulated_mode_runs_but_warns_once_with_a_slowdown(monkeypat
 
 @pytest.mark.parametrize("name", ["amp_bf16", "bf16_pure", "mixed", "fp32"])
 def test_no_warning_where_the_arithmetic_is_native(monkeypatch, caplog, name):
-    with caplog.at_level(logging.WARNING, logger="mptrain.precision"):
+    with caplog.at_level(logging.WARNING, logger="mptrain.numerics.precision"):
         build(name, SPR, monkeypatch)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

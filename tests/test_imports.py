@@ -66,8 +66,8 @@ def test_the_detector_sees_a_cycle() -> None:
 
 def test_no_import_cycles() -> None:
     graph = import_graph()
-    assert "mptrain.fp8" in graph and "mptrain.precision" not in graph["mptrain.fp8"]
-    assert "mptrain.loss_scaling" not in graph["mptrain.adaptive_scaling"] or (
-        "mptrain.adaptive_scaling" not in graph["mptrain.loss_scaling"]
+    assert "mptrain.numerics.fp8" in graph and "mptrain.numerics.precision" not in graph["mptrain.numerics.fp8"]
+    assert "mptrain.numerics.loss_scaling" not in graph["mptrain.numerics.adaptive_scaling"] or (
+        "mptrain.numerics.adaptive_scaling" not in graph["mptrain.numerics.loss_scaling"]
     )
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])

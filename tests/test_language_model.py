@@ -94,7 +94,7 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path):
 
 
 def test_hidden_state_is_carried_within_an_epoch_and_reset_at_its_start(tmp_path):
-    from mptrain.precision import build_precision
+    from mptrain.numerics.precision import build_precision
     from mptrain.tasks import build_task
 
     cfg = compose([*TINY_LM, "data.train_tokens=400"])

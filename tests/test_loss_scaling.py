@@ -10,13 +10,13 @@ import torch
 from omegaconf import OmegaConf
 
 from mptrain.errors import DivergedError, MptrainError
-from mptrain.loss_scaling import (
+from mptrain.numerics.loss_scaling import (
     DynamicScaler,
     EnhancedScaler,
     NoScaler,
     StaticScaler,
 )
-from mptrain.scalers import build_scaler, resolve_policy
+from mptrain.numerics.scalers import build_scaler, resolve_policy
 
 CPU = torch.device("cpu")
 

@@ -32,8 +32,8 @@ from mptrain.numerics.mx import (
     random_hadamard,
     random_signs,
 )
+from mptrain.numerics.precision import build_precision
 from mptrain.numerics.qgemm import BlockQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
-from mptrain.precision import build_precision
 
 MX = [f for f in BLOCK_FORMATS.values() if not f.two_level]
 NVFP4 = BLOCK_FORMATS["nvfp4"]
@@ -413,7 +413,7 @@ def test_mx_is_refused_for_the_lstm_lm() -> None:
 
 
 def test_mx_needs_no_loss_scale_and_describes_its_layers() -> None:
-    from mptrain.scalers import resolve_policy
+    from mptrain.numerics.scalers import resolve_policy
 
     p = build_precision(OmegaConf.create({"name": "mx", "format": "mxfp6"}), torch.device("cpu"))
     assert resolve_policy("auto", p.resolved, p.fp8) == "none"
@@ -445,8 +445,8 @@ def test_tiny_run_fp8_hybrid_rowwise(run_dir: Path) -> None:
 
 
 def test_fp8_rowwise_layer_quantizes_each_gemm_along_its_reduction_dim() -> None:
-    from mptrain.fp8 import convert_model as convert_fp8
     from mptrain.numerics.formats import E5M2
+    from mptrain.numerics.fp8 import convert_model as convert_fp8
     from mptrain.numerics.qgemm import axiswise_round
 
     torch.manual_seed(3)

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from mptrain.errors import MptrainError
-from mptrain.precision import MasterWeights, build_precision, stochastic_round_to_bf16
+from mptrain.numerics.precision import MasterWeights, build_precision, stochastic_round_to_bf16
 
 CPU = torch.device("cpu")
 

@@ -11,7 +11,7 @@ from conftest import run_job, tiny
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from mptrain.precision_plan import build_plan, layer_format
+from mptrain.numerics.plan import build_plan, layer_format
 
 
 class Mixed(nn.Module):
@@ -55,7 +55,7 @@ def test_lstm_flops_are_four_gates_over_input_and_hidden_per_layer():
 def test_torchao_plan_says_which_layers_it_left_and_why():
     # Module conversion runs on the CPU with the real torchao (the test extra): a ResNet-like head.
     pytest.importorskip("torchao.float8")
-    from mptrain.fp8 import convert_model
+    from mptrain.numerics.fp8 import convert_model
 
     model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16 * 6 * 6, 32), nn.Linear(32, 10))
     model, _ = convert_model(model, {"backend": "torchao", "recipe": "rowwise"})

@@ -16,8 +16,8 @@ from conftest import run_job
 from omegaconf import OmegaConf
 from torch import nn
 
-from mptrain.adaptive_scaling import AdaptiveScaler
-from mptrain.loss_scaling import DynamicScaler, EnhancedScaler, StaticScaler
+from mptrain.numerics.adaptive_scaling import AdaptiveScaler
+from mptrain.numerics.loss_scaling import DynamicScaler, EnhancedScaler, StaticScaler
 from mptrain.optim import build_optimizer
 
 CPU = torch.device("cpu")

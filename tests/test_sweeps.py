@@ -23,7 +23,7 @@ submitit = pytest.importorskip("submitit")
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 TINY_RESNET = ["model.width_divisor=8", "data.image_size=32", *TINY, "trainer.max_steps=2"]
-HAVE_ADAPTIVE = importlib.util.find_spec("mptrain.adaptive_scaling") is not None
+HAVE_ADAPTIVE = importlib.util.find_spec("mptrain.numerics.adaptive_scaling") is not None
 
 
 def hydra_compose(*overrides: str) -> DictConfig:

@@ -17,11 +17,11 @@ from torch import Tensor, nn
 from mptrain.config import TelemetryConfig
 from mptrain.config import check_telemetry as check_config
 from mptrain.errors import MptrainError
-from mptrain.loss_scaling import NoScaler, StaticScaler
 from mptrain.models.lstm import LSTMLanguageModel
-from mptrain.precision import Precision, build_precision
-from mptrain.telemetry import GradientTelemetry, build_telemetry, select_layers
-from mptrain.telemetry_stats import (
+from mptrain.numerics.loss_scaling import NoScaler, StaticScaler
+from mptrain.numerics.precision import Precision, build_precision
+from mptrain.numerics.telemetry import GradientTelemetry, build_telemetry, select_layers
+from mptrain.numerics.telemetry_stats import (
     FORMATS,
     HIST_HI,
     HIST_LO,
@@ -597,7 +597,7 @@ def test_adaptive_gradients_are_unscaled_by_each_layers_own_scale() -> None:
     """Adaptive scaling gives every layer its own cumulative scale (up to accum_cap): the 'true'
     statistics must divide each layer by its own, not by the loss-level init_scale. Reference: the
     same step in FP32 without scaling (powers of two: the comparison is exact)."""
-    from mptrain.adaptive_scaling import AdaptiveScaler
+    from mptrain.numerics.adaptive_scaling import AdaptiveScaler
 
     prec = precision("fp32")
     torch.manual_seed(0)

@@ -21,8 +21,8 @@ from mptrain.models.transformer import (
     analytic_params,
     analytic_train_flops,
 )
+from mptrain.numerics.precision import build_precision
 from mptrain.optim import param_groups
-from mptrain.precision import build_precision
 
 VOCAB = 50
 # 2 blocks x 128 on a 50-word phrase stream, 4 rows of 16 tokens: a step takes milliseconds.

@@ -14,7 +14,7 @@ Every GEMM-like layer of the model gets a ``LayerDecision`` (name, kind, format 
 kept on ``MxState.decisions`` in the model's definition order; "first" and "last" are in that
 order. Layers left high are untouched: they compute in FP32 (this mode has no autocast).
 
-This module never imports mptrain.precision: ``convert_model`` takes the options and returns the
+This module never imports mptrain.numerics.precision: ``convert_model`` takes the options and returns the
 state that ``Precision`` keeps.
 """
 

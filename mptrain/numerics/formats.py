@@ -66,7 +66,7 @@ E5M2 = _fmt("e5m2", 5, 2, 57344.0, True, True, torch.float8_e5m2)
 E3M2 = _fmt("e3m2", 3, 2, 28.0, False, False)
 E2M3 = _fmt("e2m3", 2, 3, 7.5, False, False)
 E2M1 = _fmt("e2m1", 2, 1, 6.0, False, False)
-# Not element formats of MX, but the same rounding serves FP16/BF16 master weights (mptrain.fp8).
+# Not element formats of MX, but the same rounding serves FP16/BF16 master weights (mptrain.numerics.fp8).
 FP16 = _fmt("fp16", 5, 10, 65504.0, True, True, torch.float16)
 BF16 = _fmt("bf16", 8, 7, float(torch.finfo(torch.bfloat16).max), True, True, torch.bfloat16)
 
@@ -170,7 +170,7 @@ def round_generic(
 
     ``round_to_element`` casts where torch can; this is the same round-to-nearest-even without the
     cast (the tests compare the two). With ``stochastic`` and no generator it draws from the global
-    RNG: only for mptrain.fp8's Mellempudi recipe, whose rounding always did.
+    RNG: only for mptrain.numerics.fp8's Mellempudi recipe, whose rounding always did.
     """
     return _round_generic(x.float(), fmt, stochastic, generator)
 

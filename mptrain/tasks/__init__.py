@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
-from mptrain.precision import Precision
+from mptrain.numerics.precision import Precision
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from torch import Tensor
 from mptrain import distributed
 from mptrain.data import build_image_data
 from mptrain.models import create_model
-from mptrain.precision import Precision
+from mptrain.numerics.precision import Precision
 from mptrain.tasks import Objective, Task
 
 Batch = tuple[Tensor, Tensor]

@@ -36,7 +36,7 @@ from mptrain.data import build_image_data
 from mptrain.data.base import ImageData, mix_seed
 from mptrain.errors import MptrainError
 from mptrain.models import create_model
-from mptrain.precision import Precision
+from mptrain.numerics.precision import Precision
 from mptrain.tasks import Objective, Task
 
 log = logging.getLogger("mptrain")

@@ -27,7 +27,7 @@ from mptrain import distributed
 from mptrain.data.text import TextBatch, build_text_data
 from mptrain.errors import MptrainError
 from mptrain.models import create_model
-from mptrain.precision import Precision
+from mptrain.numerics.precision import Precision
 from mptrain.tasks import Objective, Task
 
 log = logging.getLogger("mptrain")

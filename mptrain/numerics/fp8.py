@@ -41,7 +41,7 @@ hardware accumulates in higher precision. ``Fp8State.after_step`` keeps FP16 mas
 network of a task (a GAN's generator and discriminator) is converted into the same state.
 
 This module does not import the precision object: ``convert_model`` takes the options and returns
-the state that ``mptrain.precision.Precision`` keeps. Its ``decisions`` list says, for every GEMM
+the state that ``mptrain.numerics.precision.Precision`` keeps. Its ``decisions`` list says, for every GEMM
 layer, what it computes in and why (``mptrain.numerics.convert.LayerDecision``).
 """
 

@@ -1,6 +1,6 @@
 """Adaptive loss scaling's rule (Zhao et al. 2019): the per-layer scale, the scale at a branch
 join and the scale that starts the chain at the outputs. Device ops on FP32 statistics, no host
-sync; ``mptrain.adaptive_scaling`` applies them during backprop.
+sync; ``mptrain.numerics.adaptive_scaling`` applies them during backprop.
 
 The rule (``layer_scale``, the ``approx_range`` method of the authors' released code). In the
 backward pass of every Conv/Linear layer the incoming gradient gy already carries a cumulative

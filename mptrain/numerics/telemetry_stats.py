@@ -1,4 +1,4 @@
-"""Gradient telemetry's statistics (``mptrain.telemetry`` hooks the layers and reports): the
+"""Gradient telemetry's statistics (``mptrain.numerics.telemetry`` hooks the layers and reports): the
 per-tensor binade histogram, what it says against a format, and the records that hold it per
 step (on the device) and per run (on the host).
 
@@ -33,8 +33,8 @@ from torch import Tensor
 
 from mptrain.config import TELEMETRY_FORMATS
 from mptrain.errors import MptrainError
-from mptrain.fp8 import BF16, E4M3, E5M2, FP16, Fp8Format
-from mptrain.precision import Precision
+from mptrain.numerics.fp8 import BF16, E4M3, E5M2, FP16, Fp8Format
+from mptrain.numerics.precision import Precision
 
 # --------------------------------------------------------------------------------------------
 # the formats the thresholds are measured against (telemetry.formats)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from omegaconf import DictConfig
 
-from mptrain.adaptive_scaling import AdaptiveScaler
 from mptrain.errors import MptrainError
-from mptrain.loss_scaling import DynamicScaler, EnhancedScaler, LossScaler, NoScaler, StaticScaler
+from mptrain.numerics.adaptive_scaling import AdaptiveScaler
+from mptrain.numerics.loss_scaling import DynamicScaler, EnhancedScaler, LossScaler, NoScaler, StaticScaler
 
 POLICIES: dict[str, type[LossScaler]] = {
     cls.policy: cls for cls in (NoScaler, StaticScaler, DynamicScaler, EnhancedScaler, AdaptiveScaler)

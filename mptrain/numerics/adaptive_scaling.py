@@ -8,7 +8,7 @@ smallest subnormal and largest value), ``n_uf`` (tolerated underflow probability
 (optimizer steps between recomputations; cached scales are reused in between) and
 ``power_of_two``.
 
-The rule (``layer_scale``, ``join_scale``, ``output_scale``) is in ``mptrain.adaptive_rule``.
+The rule (``layer_scale``, ``join_scale``, ``output_scale``) is in ``mptrain.numerics.adaptive_rule``.
 
 Starting the chain
 ------------------
@@ -87,9 +87,9 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from mptrain.adaptive_rule import _amax, backward_fan_in, join_scale, layer_scale, output_scale
 from mptrain.errors import MptrainError
-from mptrain.loss_scaling import LossScaler, _check_policy
+from mptrain.numerics.adaptive_rule import _amax, backward_fan_in, join_scale, layer_scale, output_scale
+from mptrain.numerics.loss_scaling import LossScaler, _check_policy
 from mptrain.optim import discard_skipped_state, fresh_params
 
 _SITE_TYPES = (nn.modules.conv._ConvNd, nn.Linear)

@@ -9,7 +9,7 @@ layer (Conv/ConvTranspose/Linear/RNN/Embedding modules, at most ``telemetry.max_
   and before unscaling, so also with the current scale applied.
 
 The statistics (their formulas, and the one histogram per tensor they are read from) live in
-``mptrain.telemetry_stats``; this module hooks the layers, runs the FP32 shadow pass, logs, and
+``mptrain.numerics.telemetry_stats``; this module hooks the layers, runs the FP32 shadow pass, logs, and
 writes the end-of-run report.
 
 What a threshold means depends on where the gradient was computed. In a run that stores the
@@ -38,12 +38,12 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from mptrain.config import TELEMETRY_FORMATS, TelemetryConfig  # noqa: F401 - schemas live in config.py
-from mptrain.fp8 import BF16, Fp8Conv2d, Fp8ConvTranspose2d, Fp8Format, Fp8Linear
-from mptrain.loss_scaling import LossScaler
 from mptrain.numerics.convert import MxConv2d, MxLinear
 from mptrain.numerics.format_stats import FormatProbe, probe_formats
-from mptrain.precision import Precision
-from mptrain.telemetry_stats import (
+from mptrain.numerics.fp8 import BF16, Fp8Conv2d, Fp8ConvTranspose2d, Fp8Format, Fp8Linear
+from mptrain.numerics.loss_scaling import LossScaler
+from mptrain.numerics.precision import Precision
+from mptrain.numerics.telemetry_stats import (
     _KINDS,
     _UNSCALED_OFFSET,
     N_BINS,

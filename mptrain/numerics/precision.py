@@ -84,7 +84,7 @@ class MasterWeights:
             if self.stochastic_rounding and p.dtype == torch.bfloat16:
                 p.copy_(stochastic_round_to_bf16(m))
             elif self.stochastic_rounding and p.dtype == torch.float16:
-                from mptrain.fp8 import stochastic_round
+                from mptrain.numerics.fp8 import stochastic_round
 
                 p.copy_(stochastic_round(m, torch.float16))
             else:
@@ -111,7 +111,7 @@ class Precision:
     fp8: str | None = None  # "torchao" (real FP8 kernels) | "emulated" | None
     note: str | None = None  # said in the log, e.g. why mixed resolved to bf16
     options: dict[str, Any] = field(default_factory=dict)
-    fp8_state: Any = None  # owned by mptrain.fp8 (the converted layers, for after_step)
+    fp8_state: Any = None  # owned by mptrain.numerics.fp8 (the converted layers, for after_step)
     mx: str | None = None  # precision=mx: the block format (mxfp8, ..., nvfp4)
     mx_state: Any = None  # owned by mptrain.numerics.convert (the per-layer decisions)
     capability: DeviceCapability | None = None  # what the device computes natively (build_precision sets it)
@@ -144,7 +144,7 @@ class Precision:
                         module.float()
         if self.fp8 is not None:
             # Imported here: FP8 is optional numerics (fp8 itself never imports this module).
-            from mptrain.fp8 import convert_model
+            from mptrain.numerics.fp8 import convert_model
 
             # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
             model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
