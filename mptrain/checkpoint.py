@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mptrain import rounding_rng
 from mptrain.errors import MptrainError
 
 CKPT_DIR = "checkpoints"
@@ -101,6 +102,7 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         # numpy's state holds an ndarray, which weights_only refuses: store it as a list.
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "rounding": rounding_rng.state_dict(),  # stochastic rounding's own stream (issue 18)
     }
 
 
@@ -111,6 +113,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(_to_tuple(state["python"]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    rounding_rng.load_state_dict(state.get("rounding"))  # absent in checkpoints before issue 18
 
 
 def _to_tuple(x: Any) -> Any:

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
+from mptrain.rounding_rng import rounding_generator
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,8 @@ def stochastic_round(
     eps = _exp2i(e) * 2.0**-fmt.mantissa_bits  # exact: a power of two >= 2**-133
     down = torch.floor(a / eps) * eps
     p_up = (a - down) / eps  # exact: a and down share a binade, eps is a power of two
+    if generator is None:  # the run's own rounding stream: keeps dropout paired with FP32 (issue 18)
+        generator = rounding_generator(a.device)
     u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
     r = torch.copysign(down + eps * (u < p_up), xf)  # max is a grid point: down + eps <= max
     if not saturate:
