@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from mptrain import __version__, checkpoint, distributed
+from mptrain import __version__, checkpoint, distributed, rounding_rng
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.loss_scaling import LossScaler
@@ -83,6 +84,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    rounding_rng.seed_rounding(seed)  # stochastic rounding draws from its own stream
 
 
 @dataclass
@@ -151,6 +153,10 @@ class Engine:
                 cfg.telemetry, unwrap(slot.module), self.precision, slot.scaler,
                 modules=[unwrap(m) for m in self.task.modules.values()], tag=f"telemetry{self._suffix(slot)}",
             )
+
+        # Taken before any step: equal digests say two runs of one seed start from the same weights
+        # and the same global RNG stream (dropout), whatever their precision (issue 18).
+        self.pairing = pairing_digests(self.task.modules.values())
 
         self.step = 0
         self.skipped = torch.zeros((), device=self.device)
@@ -519,8 +525,28 @@ class Engine:
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "task": self.task.describe(),
             "versions": _versions(),
+            "pairing": getattr(self, "pairing", None),
             "run_dir": str(self.run_dir),
         }
+
+
+def pairing_digests(modules: Any) -> dict[str, str]:
+    """Digests of the initial weights and of the global RNG state, to tell paired runs apart.
+
+    Weights are hashed as FP16 (round to nearest even): an FP32 run's weights cast to FP16 and an
+    fp16_master or FP8 run's FP16-stored weights then hash alike when they came from the same
+    draw. The global RNG state is what dropout draws from next: equal, so are the masks.
+    """
+    h = hashlib.sha256()
+    for module in modules:
+        for name, p in unwrap(module).state_dict().items():
+            if torch.is_tensor(p) and p.is_floating_point():
+                h.update(name.encode())
+                h.update(p.detach().to("cpu", torch.float16).contiguous().numpy().tobytes())
+    return {
+        "init_digest": h.hexdigest()[:16],
+        "rng_digest": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
+    }
 
 
 def _data_wait_summary(windows: list[tuple[float, float]], warmup: int) -> dict[str, float | None]:
