@@ -3,7 +3,7 @@
 
     python scripts/study.py all              # every part, then the report (see docs/results for the time)
     python scripts/study.py all --quick      # 2 seeds, a tenth of the steps; report in runs/study/quick
-    python scripts/study.py parity|scaling|epochs|fp8|telemetry   # one part, then its report
+    python scripts/study.py parity|scaling|epochs|fp8|telemetry   # one part's runs (then `report`)
     python scripts/study.py report           # results.json, tables.md, README.md and the PNGs
 
 The plan (recipes, cells, the runs of each part) is scripts/study_parts.py; running, stamps and

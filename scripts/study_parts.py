@@ -46,7 +46,8 @@ PARITY = ("fp32", "amp_fp16", "fp16_master", "amp_bf16")
 
 # The CNN proxy (issue 18, item 8): digits' 359 validation images (one image = 0.28 points) and an
 # FP32 at 98% could not resolve a 0.5-point margin. Synthetic 10-class images: each class a fixed
-# low-frequency pattern, weak against unit pixel noise, so FP32 ends below 100%; a fixed task_seed
+# low-frequency pattern, weak against unit pixel noise (FP32: 99.65 +- 0.19 over 5 seeds, not the
+# "well below 100%" asked for: weaker patterns left seeds at chance too long); a fixed task_seed
 # keeps the patterns and the 10,000 validation images the same for every run seed (seeds vary the
 # training draws, init and dropout only), and every training batch is fresh, so no run memorises.
 # SGD with momentum, as the paper trained its CNNs.
