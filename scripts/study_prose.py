@@ -107,9 +107,17 @@ def verdict_lines(claims: list[dict]) -> list[str]:
     return lines
 
 
-def render_readme(template: str, results: dict) -> str:
+def render_readme(template: str, results: dict, strict: bool = True) -> str:
+    """The template with every placeholder filled. ``strict=False`` (the report, whose template may
+    still name runs of an older plan) writes ``[missing: ...]`` for a placeholder the data lack."""
+
     def sub(m: re.Match[str]) -> str:
-        v = value(results, m.group(1))
+        try:
+            v = value(results, m.group(1))
+        except (KeyError, IndexError, StopIteration, TypeError, ValueError):
+            if strict:
+                raise
+            return f"[missing: {m.group(1)}]"
         spec = m.group(2)
         if v is None or (isinstance(v, float) and math.isnan(v)):
             return "—"
