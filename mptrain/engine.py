@@ -634,6 +634,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         engine.logger.console.print(slot.telemetry.table(summary["telemetry"][slot.objective.name]))
                     slot.telemetry.close()
         distributed.shutdown()
+        # the rounding stream belongs to this run: an in-process caller's later stochastic_round
+        # (without a generator) gets the global RNG again, as before the run
+        rounding_rng.seed_rounding(None)
         if status == "interrupted":
             guard.finish()  # under submitit: its handler requeues the job
         else:
