@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from mptrain.errors import MptrainError
+from mptrain.numerics import rounding_rng
 
 CKPT_DIR = "checkpoints"
 _NAME = re.compile(r"step_(\d+)\.pt$")
@@ -103,6 +104,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
         "python": random.getstate(),
         # numpy's state holds an ndarray, which weights_only refuses: store it as a list.
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "rounding": rounding_rng.state_dict(),  # stochastic rounding's own stream (issue 18)
     }
 
 
@@ -123,6 +125,7 @@ def set_rng_state(saved: list[dict[str, Any]] | dict[str, Any], rank: int, devic
     random.setstate(_to_tuple(state["python"]))
     np_state = state["numpy"]
     np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    rounding_rng.load_state_dict(state.get("rounding"))  # absent in checkpoints before issue 18
     return True
 
 

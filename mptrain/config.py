@@ -106,6 +106,8 @@ class DataConfig:
     num_classes: int | None = None  # synthetic: how many classes; real data: read from the data
     train_samples: int = 1600  # synthetic: samples in one epoch
     val_samples: int = 256  # synthetic: validation samples
+    pattern_scale: float = 1.0  # synthetic: the class pattern's amplitude against unit noise (less: harder)
+    task_seed: int | None = None  # synthetic: seeds the class patterns and val images (null: trainer.seed)
     val_fraction: float = 0.2  # digits: held-out fraction
     augment: bool = True  # random crop / flip on real training images
     # image_folder: cpu (torchvision.io decode + v2 ops on uint8 in workers, normalised on the device),
@@ -447,6 +449,7 @@ def validate(cfg: DictConfig) -> None:
     _at_least(d.num_classes, 2, "data.num_classes", allow_none=True)
     _at_least(d.train_samples, 1, "data.train_samples")
     _at_least(d.val_samples, 1, "data.val_samples")
+    check(d.pattern_scale > 0, f"data.pattern_scale={d.pattern_scale}: must be > 0")
     _at_least(d.max_val_batches, 1, "data.max_val_batches", allow_none=True)
     check(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction}: must be between 0 and 1")
     _one_of(d.decode, ("cpu", "gpu", "pil"), "data.decode")

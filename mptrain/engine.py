@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
+from mptrain.numerics import rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
 from mptrain.numerics.precision import MasterWeights, Precision, build_precision
@@ -84,6 +86,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+    rounding_rng.seed_rounding(seed)  # stochastic rounding draws from its own stream
 
 
 def set_deterministic(on: bool) -> None:
@@ -168,6 +171,9 @@ class Engine:
                 modules=[unwrap(m) for m in self.task.modules.values()], tag=f"telemetry{self._suffix(slot)}",
             )
 
+        # Taken before any step: equal digests say two runs of one seed start from the same weights
+        # and the same global RNG stream (dropout), whatever their precision (issue 18).
+        self.pairing = pairing_digests(self.task.modules.values())
         self.plan = self._precision_plan() if t.precision_plan else None
 
         self.step = 0
@@ -585,8 +591,28 @@ class Engine:
             "precision_plan": self.plan.to_dict() if self.plan is not None else None,
             "task": self.task.describe(),
             "versions": _versions(),
+            "pairing": getattr(self, "pairing", None),
             "run_dir": str(self.run_dir),
         }
+
+
+def pairing_digests(modules: Any) -> dict[str, str]:
+    """Digests of the initial weights and of the global RNG state, to tell paired runs apart.
+
+    Weights are hashed as FP16 (round to nearest even): an FP32 run's weights cast to FP16 and an
+    fp16_master or FP8 run's FP16-stored weights then hash alike when they came from the same
+    draw. The global RNG state is what dropout draws from next: equal, so are the masks.
+    """
+    h = hashlib.sha256()
+    for module in modules:
+        for name, p in unwrap(module).state_dict().items():
+            if torch.is_tensor(p) and p.is_floating_point():
+                h.update(name.encode())
+                h.update(p.detach().to("cpu", torch.float16).contiguous().numpy().tobytes())
+    return {
+        "init_digest": h.hexdigest()[:16],
+        "rng_digest": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16],
+    }
 
 
 def _data_wait_summary(windows: list[tuple[float, float]], warmup: int) -> dict[str, float | None]:
@@ -676,6 +702,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                         engine.logger.console.print(slot.telemetry.table(summary["telemetry"][slot.objective.name]))
                     slot.telemetry.close()
         distributed.shutdown()
+        # the rounding stream belongs to this run: an in-process caller's later stochastic_round
+        # (without a generator) gets the global RNG again, as before the run
+        rounding_rng.seed_rounding(None)
         if status == "interrupted":
             guard.finish()  # under submitit: its handler requeues the job
         else:

@@ -12,7 +12,11 @@ is Student's t on those paired differences. Two kinds of claim:
   side, and does not hold when the whole interval lies on the better side of it.
 
 Anything else is ``inconclusive``, and :func:`seeds_to_decide` says how many seeds would decide it
-if the mean and the spread stayed as measured. Used by ``scripts/study.py``; no torch needed.
+if the mean and the spread stayed as measured. That assumes the observed mean is the true one, so
+:func:`seeds_if_equal` also says how many an equivalence verdict needs if the true difference were
+0 (issue 18). Each part's interval is a one-sided test at 2.5%; :func:`p_value` gives that test's
+p-value and :func:`holm` corrects them over every part of the study at once. Used by
+``scripts/study.py``; no torch needed.
 """
 
 from __future__ import annotations
@@ -82,6 +86,77 @@ def seeds_to_decide(kind: Kind, diffs: list[float], margin: float, worse_sign: i
     return None
 
 
+def seeds_if_equal(diffs: list[float], margin: float, power: float = 0.8, cap: int = 10000) -> int | None:
+    """Seeds an equivalence verdict needs if the true difference were 0, at the observed spread.
+
+    The smallest n with (t(0.975, n-1) + t(1 - (1-power)/2, n-1)) * sd / sqrt(n) <= margin: the
+    usual two-one-sided-tests sample size at 2.5% per side (our 95% interval), so that the interval
+    lands inside the margin with probability ``power``. None for fewer than 2 diffs or past cap.
+    """
+    if len(diffs) < 2:
+        return None
+    sd = statistics.stdev(diffs)
+    if sd == 0:
+        return 2
+    beta = 1 - (1 - power) / 2
+    for n in range(2, cap + 1):
+        if (t_quantile(0.975, n - 1) + t_quantile(beta, n - 1)) * sd / math.sqrt(n) <= margin:
+            return n
+    return None
+
+
+def _t_sf(x: float, df: int) -> float:
+    from scipy.stats import t
+
+    return float(t.sf(x, df))
+
+
+def p_values(kind: Kind, diffs: list[float], margin: float, worse_sign: int = -1) -> tuple[float, float]:
+    """``(p_holds, p_fails)``: the one-sided t-test p-values behind the two verdicts. The 95%
+    interval decides a part exactly when the matching p-value is below 0.025."""
+    n = len(diffs)
+    if n < 2:
+        return math.nan, math.nan
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    se = sd / math.sqrt(n)
+    if se == 0:
+        se = 1e-300  # a constant difference: the tests are as sharp as they get
+    df = n - 1
+    if kind == "equivalent":
+        # holds: both H0 "mean <= -margin" and H0 "mean >= margin" rejected (TOST)
+        p_hold = max(_t_sf((mean + margin) / se, df), _t_sf((margin - mean) / se, df))
+        # fails: the mean lies beyond one side of the margin
+        p_fail = min(_t_sf((mean - margin) / se, df), _t_sf((-margin - mean) / se, df))
+        return p_hold, p_fail
+    x = mean if worse_sign < 0 else -mean  # worse is negative
+    # holds: H0 "x >= -margin" rejected (the whole interval below -margin); fails: H0 "x <= -margin"
+    p_hold = 1 - _t_sf((x + margin) / se, df)
+    return p_hold, _t_sf((x + margin) / se, df)
+
+
+def p_value(kind: Kind, diffs: list[float], margin: float, worse_sign: int = -1) -> float:
+    """The p-value of the verdict the interval reached; for an inconclusive part, the smaller of
+    the two (both are then at least 0.025)."""
+    p_hold, p_fail = p_values(kind, diffs, margin, worse_sign)
+    if math.isnan(p_hold):
+        return math.nan
+    return min(p_hold, p_fail)
+
+
+def holm(pvals: list[float], alpha: float = 0.025) -> list[bool]:
+    """Holm's step-down over a family: which p-values stay significant at family-wise ``alpha``.
+
+    nan (nothing measured) never survives and does not count in the family."""
+    order = sorted((p, i) for i, p in enumerate(pvals) if not math.isnan(p))
+    m = len(order)
+    keep = [False] * len(pvals)
+    for j, (p, i) in enumerate(order):
+        if p > alpha / (m - j):
+            break
+        keep[i] = True
+    return keep
+
+
 @dataclass
 class Verdict:
     claim: str
@@ -94,6 +169,9 @@ class Verdict:
     kind: str
     seeds_to_decide: int | None
     runs: list[str]
+    seeds_if_equal: int | None = None  # seeds equivalence needs if the true difference were 0
+    p_value: float = math.nan  # one-sided test of the verdict reached (see p_value)
+    holm: bool | None = None  # survives Holm over the whole study (set by the report)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +192,9 @@ def judge(
     mean, low, high = paired_ci(diffs)
     verdict = decide(kind, low, high, margin, worse_sign)
     need = None if verdict != OPEN else seeds_to_decide(kind, diffs, margin, worse_sign)
-    return Verdict(claim, verdict, mean, (low, high), len(diffs), margin, unit, kind, need, runs)
+    if_equal = seeds_if_equal(diffs, margin) if kind == "equivalent" else None
+    p = p_value(kind, diffs, margin, worse_sign)
+    return Verdict(claim, verdict, mean, (low, high), len(diffs), margin, unit, kind, need, runs, if_equal, p)
 
 
 def combine(verdicts: list[str]) -> str:

@@ -412,3 +412,28 @@ def test_image_folder_errors(tmp_path: Path) -> None:
         build(data_cfg("image_folder", root=root))
     with pytest.raises(MptrainError, match=r"data.num_classes=5: data=image_folder .* has 3 classes"):
         build(data_cfg("image_folder", root=root, num_classes=5))
+
+
+def test_synthetic_task_seed_fixes_the_task_and_pattern_scale_weakens_it() -> None:
+    """The study's CNN proxy (issue 18): one task and one validation set for every run seed."""
+    import torch
+
+    from mptrain.data.synthetic import SyntheticData
+
+    def make(seed: int, **kw: Any) -> SyntheticData:
+        return SyntheticData(batch_size=8, val_batch_size=8, num_classes=10, train_samples=16, val_samples=16,
+                             max_val_batches=None, image_size=8, device=torch.device("cpu"), seed=seed, **kw)
+
+    a, b = make(0, task_seed=7), make(1, task_seed=7)
+    assert torch.equal(a.prototypes, b.prototypes)
+    for (xa, ya), (xb, yb) in zip(a.val_batches(), b.val_batches(), strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert not torch.equal(next(a.train_batches(0))[0], next(b.train_batches(0))[0])  # the seed still draws
+    # without task_seed the run seed picks the task, as before
+    assert not torch.equal(make(0).prototypes, make(1).prototypes)
+    # pattern_scale scales the class pattern; the noise stays
+    weak, full = make(0, task_seed=7, pattern_scale=0.1), make(0, task_seed=7)
+    (xw, yw), (xf, yf) = next(weak.val_batches()), next(full.val_batches())
+    assert torch.equal(yw, yf)
+    pattern = torch.nn.functional.interpolate(full.prototypes[yf], size=(8, 8), mode="bilinear", align_corners=False)
+    assert torch.allclose(xf - xw, 0.9 * pattern, atol=1e-5)

@@ -181,6 +181,15 @@ def test_enhanced_floor_rises_on_schedule():
     # Before step 3 the floor is 1 (64 -> 32 -> 16 -> 8); from step 3 on it is 16.
     assert scales == [32.0, 16.0, 8.0, 16.0, 16.0, 16.0]
     assert scaler.summary()["min_scale"] == 16.0
+    # the floor bound at the last three updates (each back-off would have gone below 16)
+    assert scaler.summary()["floor_binds"] == 3 and float(scaler.telemetry()["floor"]) == 16.0
+
+
+def test_a_rising_floor_binds_without_any_overflow():
+    # the study's (d) schedule in small: the scale starts at 1 and the floor lifts it (issue 18)
+    scaler = EnhancedScaler(CPU, min_scale_schedule={0: 1.0, 2: 8.0}, init_scale=1.0, growth_interval=100)
+    scales, _, _ = drive(scaler, [False] * 4)
+    assert scales == [1.0, 1.0, 8.0, 8.0] and scaler.summary()["floor_binds"] == 1
 
 
 def test_state_dict_roundtrip_continues_trajectory():

@@ -7,7 +7,18 @@ import math
 import pytest
 import scipy.stats as scipy_stats
 
-from mptrain.verdicts import FAILS, HOLDS, OPEN, decide, judge, paired_ci, seeds_to_decide
+from mptrain.verdicts import (
+    FAILS,
+    HOLDS,
+    OPEN,
+    decide,
+    holm,
+    judge,
+    p_values,
+    paired_ci,
+    seeds_if_equal,
+    seeds_to_decide,
+)
 
 
 def test_paired_ci_matches_scipys_paired_t_test() -> None:
@@ -70,3 +81,49 @@ def test_seeds_to_decide_is_where_the_interval_clears_the_margin() -> None:
 def test_a_clear_loss_is_decided() -> None:
     v = judge("unscaled", "worse", [-4.1, -3.6, -5.0, -4.4, -3.9], 0.5, "pts", ["r"])
     assert v.verdict == HOLDS and v.ci95[1] < -0.5 and v.n_seeds == 5
+
+
+def test_seeds_if_equal_is_the_tost_sample_size_at_the_observed_spread() -> None:
+    diffs = [0.3, -0.2, 0.5, -0.4, 0.1]
+    n = seeds_if_equal(diffs, 0.5)
+    sd = scipy_stats.tstd(diffs)
+    need = lambda k: (scipy_stats.t.ppf(0.975, k - 1) + scipy_stats.t.ppf(0.9, k - 1)) * sd / math.sqrt(k)  # noqa: E731
+    assert n is not None and need(n) <= 0.5 < need(n - 1)
+    # it ignores the observed mean: shifting every diff leaves it unchanged, unlike seeds_to_decide
+    assert seeds_if_equal([d + 0.3 for d in diffs], 0.5) == n
+    # by hand, sd = margin: n = 13, where (t(.975, 12) + t(.9, 12)) / sqrt(13) = (2.179 + 1.356) / 3.606
+    # = 0.980 <= 1; at 12, (2.201 + 1.363) / 3.464 = 1.029 > 1
+    assert seeds_if_equal([-1.0, 1.0], 1.0 * math.sqrt(2)) == 13
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.45, 0.7, -0.9])
+def test_equivalence_p_value_is_scipys_two_one_sided_tests(shift: float) -> None:
+    diffs = [shift + d for d in (0.1, -0.15, 0.05, 0.2, -0.05)]
+    p_hold, p_fail = p_values("equivalent", diffs, 0.5)
+    lower = scipy_stats.ttest_1samp(diffs, -0.5, alternative="greater").pvalue
+    upper = scipy_stats.ttest_1samp(diffs, 0.5, alternative="less").pvalue
+    assert p_hold == pytest.approx(max(lower, upper), rel=1e-9)
+    assert p_fail == pytest.approx(min(1 - lower, 1 - upper), rel=1e-9)
+    # the interval and the p-value say the same thing
+    v = judge("c", "equivalent", diffs, 0.5, "pts", [])
+    assert (v.verdict == HOLDS) == (p_hold < 0.025) and (v.verdict == FAILS) == (p_fail < 0.025)
+
+
+@pytest.mark.parametrize(("diffs", "sign"), [([-4.1, -3.6, -5.0, -4.4, -3.9], -1), ([1.2, 1.5, 1.7, 1.3, 1.8], +1),
+                                               ([0.2, -0.3, 0.1, 0.4, 0.0], -1)])
+def test_worse_p_value_is_scipys_one_sided_test(diffs: list[float], sign: int) -> None:
+    margin = 0.5 if sign < 0 else 1.0
+    p_hold, p_fail = p_values("worse", diffs, margin, sign)
+    worse_than = [-d for d in diffs] if sign > 0 else diffs  # worse is negative
+    ref = scipy_stats.ttest_1samp(worse_than, -margin, alternative="less").pvalue
+    assert p_hold == pytest.approx(ref, rel=1e-9) and p_fail == pytest.approx(1 - ref, rel=1e-9)
+    v = judge("c", "worse", diffs, margin, "u", [], sign)
+    assert (v.verdict == HOLDS) == (p_hold < 0.025) and (v.verdict == FAILS) == (p_fail < 0.025)
+    assert v.p_value == pytest.approx(min(p_hold, p_fail))
+
+
+def test_holm_by_hand() -> None:
+    # alpha 0.025 over 4 tests: thresholds 0.00625, 0.00833, 0.0125, 0.025 for the sorted p-values
+    assert holm([0.001, 0.02, 0.008, math.nan, 0.011]) == [True, True, True, False, True]
+    assert holm([0.001, 0.02, 0.009, 0.011]) == [True, False, False, False]  # 0.009 > 0.025/3 stops it
+    assert holm([0.03]) == [False] and holm([]) == []

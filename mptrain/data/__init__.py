@@ -63,6 +63,8 @@ def build_image_data(
             train_samples=int(cfg.train_samples),
             val_samples=int(cfg.val_samples),
             max_val_batches=cfg.max_val_batches,
+            pattern_scale=float(cfg.get("pattern_scale", 1.0)),
+            task_seed=cfg.get("task_seed"),
             **common,
         )
     if name == "digits":

@@ -62,6 +62,7 @@ from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
 from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed, tag
 from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
+from mptrain.numerics.rounding_rng import rounding_generator
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +175,9 @@ def stochastic_round(
     if scale is not None:
         q = stochastic_round(xf * scale, fmt, generator, saturate=saturate) / scale
         return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
-    # The global RNG when no generator is given: this recipe always drew from it.
+    if generator is None:  # the run's own rounding stream: keeps dropout paired with FP32 (issue 18)
+        generator = rounding_generator(xf.device)
+    # Outside a run (nothing seeded) the generator stays None and the global RNG is used.
     r = nf.round_generic(xf, _ELEMENT[fmt], stochastic=True, generator=generator)
     if not saturate:
         r = torch.where(xf.abs() > fmt.max, torch.copysign(torch.full_like(r, math.inf), xf), r)

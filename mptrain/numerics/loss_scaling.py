@@ -251,6 +251,9 @@ class DynamicScaler(_GradScalerBase):
         self._hysteresis_left = torch.full((), hysteresis, dtype=torch.int32, device=device)
         # Set when the floor was hit with on_min_scale=error; checked on logging steps (no sync here).
         self._hit_floor = torch.zeros((), dtype=torch.bool, device=device)
+        # Updates at which the floor raised the scale (it binds): enhanced scaling is only tested
+        # where this is nonzero, otherwise it is plain dynamic scaling (issue 18).
+        self._floor_binds = torch.zeros((), dtype=torch.int32, device=device)
 
     def current_floor(self) -> float | None:
         return self.min_scale
@@ -289,6 +292,7 @@ class DynamicScaler(_GradScalerBase):
         floor = self.current_floor()
         if floor is not None:
             self._hit_floor |= new_scale < floor
+            self._floor_binds += (new_scale < floor).to(torch.int32)
             new_scale = new_scale.clamp(min=floor)
         if self.max_scale is not None:
             new_scale = new_scale.clamp(max=self.max_scale)
@@ -355,6 +359,12 @@ class EnhancedScaler(DynamicScaler):
         super().update()
         self.steps_done += 1
 
+    def telemetry(self) -> dict[str, Tensor]:
+        # the floor and how often it bound, logged beside the scale: where the floor binds shows in
+        # the loss-scale curve (loss_scale/floor against train/loss_scale)
+        return {**super().telemetry(), "floor": torch.tensor(float(self.current_floor() or 0.0)),
+                "floor_binds": self._floor_binds}
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "steps_done": self.steps_done}
 
@@ -363,7 +373,7 @@ class EnhancedScaler(DynamicScaler):
         self.steps_done = int(state["steps_done"])
 
     def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "min_scale": self.current_floor()}
+        return {**super().summary(), "min_scale": self.current_floor(), "floor_binds": int(self._floor_binds)}
 
     @classmethod
     def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
 from mptrain.hardware import DeviceCapability, device_capability, emulation_slowdown
+from mptrain.numerics.rounding_rng import rounding_generator
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None
     pattern and truncating rounds up exactly with probability (x - down) / ulp.
     """
     bits = x.float().contiguous().view(torch.int32)
+    if generator is None:  # the run's own rounding stream, not the global one (issue 18)
+        generator = rounding_generator(x.device)
     noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
     rounded = (bits + noise) & -65536  # clear the low 16 bits (0xFFFF0000 as int32)
     out = rounded.view(torch.float32)

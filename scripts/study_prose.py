@@ -1,0 +1,145 @@
+"""docs/results/README.md from its template and results.json: every figure of the prose comes
+from the data (issue 18, item 1: the hand-written README had said "within 0.01 ppl on every seed"
+where the gap reached 0.041, and "hundreds of seeds" where the table said 61, 64 and 740).
+
+A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spec, default ``.2f``):
+
+- ``claim:ID:PART:FIELD``: a part of a claim. FIELD: effect, lo, hi, n_seeds, seeds_to_decide,
+  seeds_if_equal, p_value, verdict; ``claim:ID:verdict`` is the claim's verdict.
+- ``run:NAME:DOTTED.PATH``: any field of a run's row, e.g.
+  ``run:lstm_lm-fp32-tel-s0:telemetry.act_hist_zero_frac``.
+- ``cell:MODEL:CELL:STAT``: over the cell's completed runs. STAT: mean, std (of the metric), n;
+  dmin, dmax, absmax, dstd (the paired difference from FP32 per seed, in the claim's unit: points,
+  or % of perplexity: its least, largest, largest absolute value, standard deviation); gap (the
+  largest |cell - fp32| per seed in the metric's own unit, e.g. ppl) and
+  gap_seed (its seed).
+- ``diff:RUN_A:RUN_B:DOTTED.PATH``: run A's field minus run B's.
+- ``table:verdicts``: the verdict table.
+
+A format ending in ``u`` writes minus signs as the prose does (−), e.g. ``+.2fu``.
+
+tests/test_study.py renders the committed template against the committed results.json and
+requires README.md to be exactly that, and finds no decimal figure in the template's prose that
+is not a placeholder (a short list of constants of the method excepted).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import Any
+
+PLACEHOLDER = re.compile(r"\{\{\s*([^}|]+?)\s*(?:\|\s*([^}]*?)\s*)?\}\}")
+
+
+def _runs(results: dict, model: str, cell: str) -> dict[int, dict]:
+    return {r["seed"]: r for r in results["runs"] if r["model"] == model and r["cell"] == cell
+            and r["part"] != "telemetry" and r.get("status") == "completed"}
+
+
+def _metric(results: dict, model: str) -> str:
+    return results["recipes"][model]["metric"]
+
+
+def cell_stat(results: dict, model: str, cell: str, stat: str) -> float | int | None:
+    metric = _metric(results, model)
+    rows = _runs(results, model, cell)
+    vals = {s: r["metrics"][metric] for s, r in rows.items()}
+    if stat in ("mean", "std", "n"):
+        v = list(vals.values())
+        return {"mean": statistics.fmean, "std": statistics.stdev, "n": len}[stat](v) if v else None
+    ref = {s: r["metrics"][metric] for s, r in _runs(results, model, "fp32").items()}
+    seeds = sorted(set(vals) & set(ref))
+    if not seeds:
+        return None
+    if stat in ("gap", "gap_seed"):
+        s = max(seeds, key=lambda k: abs(vals[k] - ref[k]))
+        return abs(vals[s] - ref[s]) if stat == "gap" else s
+    diffs = [vals[s] - ref[s] if metric == "top1" else 100 * (vals[s] / ref[s] - 1) for s in seeds]
+    if stat == "dstd":
+        return statistics.stdev(diffs) if len(diffs) > 1 else None
+    return {"dmin": min, "dmax": max, "absmax": lambda d: max(map(abs, d))}[stat](diffs)
+
+
+def _dig(obj: Any, path: str) -> Any:
+    for key in path.split("."):
+        obj = obj[int(key)] if isinstance(obj, list) else obj[key]
+    return obj
+
+
+def value(results: dict, expr: str) -> Any:
+    kind, *args = [a.strip() for a in expr.split(":")]
+    if kind == "claim":
+        c = next(c for c in results["claims"] if c["id"] == args[0])
+        if args[1] in ("verdict", "holm_verdict"):
+            return c[args[1]]
+        p = c["parts"][int(args[1])]
+        field = args[2]
+        return {"lo": lambda: p["ci95"][0], "hi": lambda: p["ci95"][1]}.get(field, lambda: p.get(field))()
+    if kind == "run":
+        r = next(r for r in results["runs"] if r["name"] == args[0])
+        return _dig(r, args[1])
+    if kind == "cell":
+        return cell_stat(results, *args)
+    if kind == "diff":  # run A's field minus run B's
+        a, b = (next(r for r in results["runs"] if r["name"] == n) for n in args[:2])
+        return _dig(a, args[2]) - _dig(b, args[2])
+    if kind == "table" and args == ["verdicts"]:
+        return "\n".join(verdict_lines(results["claims"]))
+    raise KeyError(f"unknown placeholder {expr!r}")
+
+
+def verdict_lines(claims: list[dict]) -> list[str]:
+    def f(x: Any, spec: str) -> str:
+        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | seeds | seeds to decide |",
+             "|---|---|---|---|---|---|---|"]
+    for c in claims:
+        for i, p in enumerate(c["parts"]):
+            lo, hi = p["ci95"]
+            lines.append(
+                f"| {c['id'] if i == 0 else ''} {('**' + c['verdict'] + '**') if i == 0 else ''} | {p['claim']} | "
+                f"{p['verdict']} | {f(p['effect'], '+.2f')} {p['unit']} | [{f(lo, '+.2f')}, {f(hi, '+.2f')}] | "
+                f"{p['n_seeds']} | {p['seeds_to_decide'] or ''} |"
+            )
+    return lines
+
+
+def render_readme(template: str, results: dict, strict: bool = True) -> str:
+    """The template with every placeholder filled. ``strict=False`` (the report, whose template may
+    still name runs of an older plan) writes ``[missing: ...]`` for a placeholder the data lack."""
+
+    def sub(m: re.Match[str]) -> str:
+        try:
+            v = value(results, m.group(1))
+        except (KeyError, IndexError, StopIteration, TypeError, ValueError):
+            if strict:
+                raise
+            return f"[missing: {m.group(1)}]"
+        spec = m.group(2)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "—"
+        if isinstance(v, str):
+            return v
+        spec = spec or ("d" if isinstance(v, int) else ".2f")
+        if spec.endswith("u"):  # typographic minus, as the prose writes it
+            return format(v, spec[:-1]).replace("-", "−")
+        return format(v, spec)  # ".2%" turns a fraction into a percentage
+
+    return PLACEHOLDER.sub(sub, template)
+
+
+# Figures of the prose that are constants of the method, not results: allowed as literals.
+DECIMAL = re.compile(r"(?<![\w.^-])[-+−]?\d+\.\d+%?|(?<![\w.^-])\d+%")
+
+
+def literal_figures(template: str) -> list[str]:
+    """Decimal figures and percentages written by hand in the template's prose: outside
+    placeholders, code spans and blocks, links and image lines."""
+    text = PLACEHOLDER.sub(" ", template)
+    text = re.sub(r"```.*?```", " ", text, flags=re.S)
+    text = re.sub(r"`[^`]*`", " ", text)
+    text = re.sub(r"\]\([^)]*\)", " ", text)
+    return DECIMAL.findall(text)
