@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -150,6 +151,9 @@ class Engine:
             )
         self.image_size = image_size
         self.task: Task = build_task(cfg, self.device, self.precision, image_size)
+        # The initial weights as the seed made them, before any precision converts or rounds them:
+        # runs of one seed under different precisions must agree on it (paired comparisons).
+        self.init_digest = params_digest(self.task.modules)
 
         self.steps_per_epoch = self.task.steps_per_epoch() // t.grad_accum
         if self.steps_per_epoch < 1:
@@ -580,6 +584,7 @@ class Engine:
             "skipped_steps": int(float(self.skipped)),
             "final_loss_scale": float(first.scaler.scale_value),
             "wall_time_s": wall,
+            "init_digest": self.init_digest,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "precision_plan": self.plan.to_dict() if self.plan is not None else None,
@@ -587,6 +592,18 @@ class Engine:
             "versions": _versions(),
             "run_dir": str(self.run_dir),
         }
+
+
+def params_digest(modules: dict[str, nn.Module]) -> str:
+    """sha256 (16 hex digits) of every module's parameters and buffers: names, dtypes, shapes and
+    bytes, in a fixed order. Equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for key in sorted(modules):
+        for name, t in sorted(unwrap(modules[key]).state_dict().items()):
+            t = t.detach().cpu().contiguous()
+            h.update(f"{key}.{name}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def _data_wait_summary(windows: list[tuple[float, float]], warmup: int) -> dict[str, float | None]:
