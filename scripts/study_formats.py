@@ -60,8 +60,9 @@ FINAL = ("completed", "diverged")  # a diverged run is a result too, not a failu
 # on the 2-core EPYC (Zen 4) shared with other jobs, one thread: a step takes 0.27 s in FP32, 0.2 s
 # in bf16, 0.7-0.8 s in FP8, mxfp8 and NVFP4 with its recipe, 1.4-1.6 s in mxfp4 and plain NVFP4
 # (which quantize the 3,300-word tied head too), plus about 8 s per process; 6.5 s per step of all
-# 8 cells, so 5 seeds x 80 steps is about 50 minutes. The full transformer_lm (6 x 384, 256 tokens)
-# costs about 25x as much per step: it does not fit at any length that trains.
+# 8 cells, so 5 seeds x 80 steps was budgeted at about 50 minutes (the full part took 32 minutes
+# once the machine's load fell). The full transformer_lm (6 x 384, 256 tokens) costs about 25x as
+# much per step: it does not fit at any length that trains.
 MODEL = "transformer_lm_tiny"
 BASE = ("model=transformer_lm_tiny", "data=python_docs")
 STEPS = 80  # 1.1 epochs of python_docs' 93K training tokens (72 steps an epoch)
@@ -302,6 +303,8 @@ def record(spec: Spec, summary: dict | None, run_dir: Path) -> dict:
     task = summary.get("task") or {}
     data = task.get("data") or {}
     plan = summary.get("precision_plan") or {}
+    layers = plan.get("layers") or []
+    big = max(layers, key=lambda x: x.get("flops") or 0, default=None)
     curves = _curves(run_dir)
     train_loss = curves.get("train/loss") or []
     val_loss = (summary.get("metrics") or {}).get("loss")
@@ -317,6 +320,9 @@ def record(spec: Spec, summary: dict | None, run_dir: Path) -> dict:
         "skipped_steps": summary.get("skipped_steps"),
         "final_loss_scale": _finite(summary.get("final_loss_scale")),
         "low_precision_flop_fraction": _finite(plan.get("low_precision_flop_fraction")),
+        "largest_gemm": None if big is None or not plan.get("total_flops") else {
+            "name": big.get("name"), "format": big.get("format"), "low_precision": big.get("low_precision"),
+            "flops_share": big.get("flops", 0) / plan["total_flops"]},
         "precision_resolved": summary.get("precision_resolved"),
         "loss_scale": summary.get("loss_scale"),
         "wall_time_s": _finite(summary.get("wall_time_s")),
@@ -600,7 +606,7 @@ def render_readme(res: dict) -> str:
     seeds = res["seeds"]
     L += ["## Cells", "",
           f"| cell | what | val ppl, mean [{lvl} CI over seeds] | per seed ({', '.join(map(str, seeds))}) | "
-          "paired Δ vs fp32 | skipped steps | low-precision share of forward FLOPs | wall per run |",
+          "paired Δ vs fp32 | skipped steps | share of forward FLOPs below 16 bits | wall per run |",
           "|---|---|---|---|---|---|---|---|"]
     by_cell = {c["cell"]: c for c in claims if c["ref"] == d["reference"]}
     for name, c in cells.items():
@@ -667,20 +673,33 @@ def render_readme(res: dict) -> str:
     w = res["wall"]
     L += ["## Cost", "",
           f"The {w['runs']} runs took {mmss(w['runs_total_s'])} of wall time in all (each process from launch to "
-          "exit, one at a time, one thread, on a machine shared with other jobs). FP32 took "
-          f"{f(ref['process_wall_s_mean'], '.0f')} s a run; the emulated formats are slower because they "
-          "quantize in FP32 arithmetic: "
-          + ", ".join(f"{n} {f(c['process_wall_s_mean'], '.0f')} s" for n, c in cells.items() if n != d["reference"])
+          "exit, one at a time, one thread, on a machine shared with other jobs, so a cell's time moves with the "
+          f"load). A run took {f(ref['process_wall_s_mean'], '.0f')} s in FP32"
+          + "".join(f" and {f(c['process_wall_s_mean'], '.0f')} s in {n} (the CPU's native bf16)"
+                    for n, c in cells.items() if n == "bf16")
+          + "; the emulated formats, which quantize in FP32 arithmetic, took "
+          + ", ".join(f"{n} {f(c['process_wall_s_mean'], '.0f')} s" for n, c in cells.items()
+                      if n not in (d["reference"], "bf16"))
           + ".", ""]
     lp = {n: c["low_precision_flop_fraction"] for n, c in cells.items()}
+    firsts = {r["cell"]: r["largest_gemm"] for r in res["runs"] if r.get("largest_gemm")}
+    big = firsts.get(d["reference"])
+    low = [n for n, g in firsts.items() if big and g["name"] == big["name"] and g.get("low_precision")]
+    high = [n for n, g in firsts.items() if big and g["name"] == big["name"] and not g.get("low_precision")]
     L += ["## Limits", "",
           "- Emulation: every low-precision value is exact (`mptrain/numerics`), but it is computed in FP32 on a CPU, "
           "so these runs say nothing about speed, and bf16 here is the CPU's bf16 autocast.",
-          f"- What runs low: the low-precision share of the forward FLOPs per cell is in the table "
+          f"- What runs low: the share of the forward FLOPs below 16 bits per cell is in the table "
           f"({', '.join(f'{n} {pct(v)}' for n, v in lp.items())}). "
-          "Attention's QK^T and AV products are not converted in any cell, and in this small model the tied "
-          "vocabulary head is the largest GEMM: NVFP4's recipe keeps it high (its last-layers rule), mxfp8 and "
-          "mxfp4 quantize it.",
+          "Attention's QK^T and AV products are not converted in any cell"
+          + (f", and in this small model the largest GEMM layer is `{big['name']}`, the tied vocabulary head "
+             f"({pct(big['flops_share'])} of the forward FLOPs): it runs below 16 bits in "
+             f"{', '.join(low) or 'no cell'} "
+             f"and at 16 bits or more in {', '.join(high) or 'no cell'}." if big else "."),
+          f"- nvfp4 and nvfp4_plain differ in four options at once (stochastic rounding, Hadamard, 2D weight "
+          f"blocks, last layers high) and so in the share of forward FLOPs in FP4 ({pct(lp.get('nvfp4'))} against "
+          f"{pct(lp.get('nvfp4_plain'))}): the options claim is about the recipe as a whole, not about any one "
+          "option.",
           f"- Scale: a {d.get('num_layers', '—')}-block, d_model {d.get('d_model', '—')} model for "
           f"{d['steps']} steps, chosen to fit the budget of one CPU core for an hour; the verdicts are about this "
           "configuration, not about long runs of large models, where format errors can accumulate differently.",
