@@ -547,7 +547,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=[*PARTS, "report", "all"])
+    ap.add_argument("part", choices=[*PARTS, "formats", "report", "all"])
     ap.add_argument("--quick", action="store_true", help="2 seeds and a tenth of the steps: a smoke run")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once (each with one thread)")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "study", help="where run dirs go")
@@ -558,6 +558,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = args.runs / ("quick" if args.quick else "full")
     t0 = time.time()
+    if args.part in ("formats", "all"):
+        # Today's formats on the transformer LM (issue 19): its own runner, report and docs/results/formats.
+        from study_formats import formats_part
+
+        formats_part(quick=args.quick, rerun_stale=not args.keep_stale)
+        if args.part == "formats":
+            return 0
     if args.part != "report":
         specs = all_specs(args.quick) if args.part == "all" else PARTS[args.part](args.quick)
         run_specs(specs, runs, args.jobs, args.keep_stale)

@@ -90,6 +90,12 @@ def test_every_run_writes_its_plan(tmp_path):
     assert plan["low_precision_flop_fraction"] == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize(("precision", "fmt"), [("amp_bf16", "bf16"), ("fp16_master", "fp16"), ("bf16_pure", "bf16")])
+def test_half_precision_layers_are_labelled_by_their_dtype(tmp_path, precision, fmt):
+    s = run_job(tmp_path, *tiny("alexnet", f"precision={precision}", "trainer.max_steps=1"))
+    assert {layer["format"] for layer in s["precision_plan"]["layers"]} == {fmt}
+
+
 def test_transformer_attention_gemms_count_as_not_converted(tmp_path):
     s = run_job(tmp_path, "model=transformer_lm_tiny", "precision=fp8", "data.batch_size=4", "trainer.max_steps=1")
     plan = s["precision_plan"]

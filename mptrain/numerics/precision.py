@@ -188,11 +188,11 @@ class Precision:
         """(format, reason) of a GEMM layer this mode computes in its own dtype, for the plan."""
         if self.fp8 == "emulated" or self.mx is not None:
             return str(self.options.get("emulated_compute") or "fp32"), "computed in precision.emulated_compute"
+        short = {torch.float16: "fp16", torch.bfloat16: "bf16"}
         if self.autocast_dtype is not None:
-            name = str(self.autocast_dtype).replace("torch.", "").replace("float16", "fp16")
-            return name, f"autocast ({self.resolved})"
+            return short[self.autocast_dtype], f"autocast ({self.resolved})"
         if self.param_dtype != torch.float32:
-            name = str(self.param_dtype).replace("torch.", "").replace("float16", "fp16")
+            name = short[self.param_dtype]
             return name, f"{name} weights ({self.resolved})"
         if self.allow_tf32 and self.device.type == "cuda":
             return "tf32", "TF32 matmuls (precision=tf32)"
