@@ -60,6 +60,8 @@ def fresh_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return []
+    if len(optimizer.state) >= sum(len(g["params"]) for g in optimizer.param_groups):
+        return []  # every parameter has its state: the steady state, checked without a loop
     return [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and not optimizer.state.get(p)]
 
 
@@ -67,11 +69,12 @@ def discard_skipped_state(optimizer: torch.optim.Optimizer, fresh: list[torch.Te
     """Forget the state that a skipped first step created, so the next clean step is a first step.
 
     After this, whatever impl ran, the step after an overflow computes what a never-skipped run
-    computes (tests/test_skipped_steps.py). One host sync, only while some parameter has no state
-    yet: the first step(s) of a run, until one is not skipped.
+    computes (tests/test_skipped_steps.py). One host sync, only on a step that created state: the
+    first step(s) of a run, until one is not skipped (never for momentum-free SGD, which keeps none).
     """
-    if fresh and bool(found_inf.item()):
-        for p in fresh:
+    created = [p for p in fresh if optimizer.state.get(p)]
+    if created and bool(found_inf.item()):
+        for p in created:
             optimizer.state.pop(p, None)
 
 
