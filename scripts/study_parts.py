@@ -54,7 +54,7 @@ PARITY = ("fp32", "amp_fp16", "fp16_master", "amp_bf16")
 PROXY = (
     "data=synthetic", "data.num_classes=10", "data.pattern_scale=0.1", "data.task_seed=1234",
     "data.val_samples=10000", "data.val_batch_size=500", "data.num_workers=0",
-    "optim=sgd", "optim.lr=0.03", "sched.warmup_steps=100", "trainer.grad_clip=1.0",
+    "optim=sgd", "sched.warmup_steps=100", "trainer.grad_clip=1.0",
 )  # fmt: skip
 LM = (
     "model=lstm_lm", "data=python_docs", "model.emb_size=100", "model.hidden_size=100",
@@ -68,13 +68,17 @@ RECIPES = {
     # 2,000 (94%, against 99% for the others); pattern 0.15 is solved (99.98%). lr 0.03 with 100
     # warm-up steps and the gradient norm clipped at 1 (after unscaling) ends on the plateau.
     "alexnet": Recipe(
-        "alexnet", ("model=alexnet", "model.width_divisor=8", "data.image_size=64", *PROXY),
+        "alexnet", ("model=alexnet", "model.width_divisor=8", "data.image_size=64", *PROXY, "optim.lr=0.03"),
         2000, "top1", 0.5, (*PARITY, "fp8"),
     ),
-    # ResNet-50/8 at 32 px (its smallest input) on the same proxy: parity only (issue 18).
+    # ResNet-50/8 at 32 px (its smallest input) on the same proxy: parity only (issue 18). At
+    # AlexNet's lr 0.03 for 1,000 steps it never left chance (FP32 10.96 +- 0.90 over seeds 0-2, loss
+    # ln 10); lr 0.1 for 2,000 steps learns: FP32 84.43 +- 3.25 over seeds 0-4 (87.33, 84.20, 84.37,
+    # 79.22, 87.03; AVX512-BF16 EPYC, 2026-11-24). Well below 100%, as asked, but the seeds still
+    # spread by points: the paired differences, not this spread, decide parity.
     "resnet50": Recipe(
-        "resnet50", ("model=resnet50", "model.width_divisor=8", "data.image_size=32", *PROXY),
-        1000, "top1", 0.5, PARITY,
+        "resnet50", ("model=resnet50", "model.width_divisor=8", "data.image_size=32", *PROXY, "optim.lr=0.1"),
+        2000, "top1", 0.5, PARITY,
     ),
     # The LSTM LM (Zaremba-style, tied softmax) on python_docs with a batch of 64 x 35 = 2,240
     # positions: the loss is their mean, so dL/dlogits is (p - y) / 2240. GPT-style small embedding
