@@ -21,6 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mptrain.numerics.convert import gemm_kind
+
+# The layers whose FLOPs the plan counts (``_forward_flops``); their kind is the converters' own.
 GEMM_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.LSTM)
 
 
@@ -50,14 +53,6 @@ class PrecisionPlan:
             "total_flops": self.total_flops,
             "low_precision_flop_fraction": self.low_precision_flop_fraction,
         }
-
-
-_KINDS = {nn.Linear: "linear", nn.Conv1d: "conv1d", nn.Conv2d: "conv2d", nn.Conv3d: "conv3d",
-          nn.ConvTranspose2d: "conv_transpose2d", nn.LSTM: "lstm"}
-
-
-def _kind(module: nn.Module) -> str:
-    return _KINDS[next(c for c in type(module).__mro__ if c in _KINDS)]
 
 
 def gemm_layers(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -149,7 +144,7 @@ def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], defaul
     layers = []
     for name, m in gemm_layers(modules):
         fmt, reason, low = layer_format(m, default)
-        layers.append(LayerPlan(name, _kind(m), fmt, reason, flops.get(id(m), 0), low))
+        layers.append(LayerPlan(name, gemm_kind(m) or "", fmt, reason, flops.get(id(m), 0), low))
     return PrecisionPlan(layers, max(total, sum(layer.flops for layer in layers)))
 
 
