@@ -75,10 +75,12 @@ RECIPES = {
     # AlexNet's lr 0.03 for 1,000 steps it never left chance (FP32 10.96 +- 0.90 over seeds 0-2, loss
     # ln 10); lr 0.1 for 2,000 steps learns: FP32 84.43 +- 3.25 over seeds 0-4 (87.33, 84.20, 84.37,
     # 79.22, 87.03; AVX512-BF16 EPYC, 2026-11-24). Well below 100%, as asked, but the seeds still
-    # spread by points: the paired differences, not this spread, decide parity.
+    # spread by points: the paired differences, not this spread, decide parity. No fp16_master here:
+    # emulated FP16 costs ResNet-50 about 9 min a run on 2 cores, and AlexNet already tests FP16
+    # weights; the study has to fit its CPU budget (issue 18).
     "resnet50": Recipe(
         "resnet50", ("model=resnet50", "model.width_divisor=8", "data.image_size=32", *PROXY, "optim.lr=0.1"),
-        2000, "top1", 0.5, PARITY,
+        2000, "top1", 0.5, ("fp32", "amp_fp16", "amp_bf16"),
     ),
     # The LSTM LM (Zaremba-style, tied softmax) on python_docs with a batch of 64 x 35 = 2,240
     # positions: the loss is their mean, so dL/dlogits is (p - y) / 2240. GPT-style small embedding
@@ -111,15 +113,16 @@ CELLS: dict[str, tuple[str, ...]] = {
 # 2^24, which overflows FP16 (max 65504) whenever a gradient exceeds 2^-8, i.e. persistently; in
 # between the paper's 8 (SSD) and 128 (bigLSTM) and 32768, dynamic's neighbourhood.
 STATIC_GRID = (1, 8, 128, 32768, 2**24)
-CNN_STATIC_GRID = (1, 128, 32768, 2**24)
-for _s in sorted({*STATIC_GRID, *CNN_STATIC_GRID}):
+for _s in STATIC_GRID:
     CELLS[f"fp16_static_{_s}"] = ("precision=amp_fp16", "loss_scale=static", f"loss_scale.scale={_s}")
 SCALING_MODEL = "lstm_lm"  # claims (b) and (c) on the LM
 EPOCHS_MODEL = "lstm_lm_4ep"  # claim (e) and (b) past one epoch
 CNN_MODEL = "alexnet"  # claims (b) and (c) on a CNN: mptrain's adaptive scaling runs here
 FP8_MODEL = "alexnet"  # claim (d)
 SCALING_CELLS = ("fp16_none", *(f"fp16_static_{s}" for s in STATIC_GRID), "amp_fp16")
-CNN_SCALING_CELLS = ("fp16_none", *(f"fp16_static_{s}" for s in CNN_STATIC_GRID), "fp16_adaptive")
+# The CNN runs (b) and adaptive, not a second static grid: emulated FP16 costs AlexNet about 4 min a
+# run on 2 cores, and the grid's point, that a static scale needs a search, is the LM's claim (c).
+CNN_SCALING_CELLS = ("fp16_none", "fp16_adaptive")
 # Why the LM has no adaptive cell: said in claim (c) and in the README.
 ADAPTIVE_LSTM_REFUSED = (
     "not run: mptrain's adaptive scaling computes per-layer scales over a torch.fx graph of Conv/Linear "
