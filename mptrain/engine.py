@@ -489,6 +489,7 @@ class Engine:
             "scalers": {s.objective.name: s.scaler.state_dict() for s in self.slots},
             "masters": {s.objective.name: s.master.state_dict() for s in self.slots if s.master},
             "task_state": self.task.state_dict(),
+            "precision": self.precision.state_dict(),
             "counters": {"skipped": float(self.skipped), "nonfinite_run": float(self.nonfinite_run)},
             "rng": rng if rng is not None else [checkpoint.rng_state(self.device)],
             "config": OmegaConf.to_container(self.cfg, resolve=True),
@@ -538,6 +539,7 @@ class Engine:
                 f"trainer.resume={path}: checkpoint does not fit this run's model/precision ({first})"
             ) from exc
         self.task.load_state_dict(state["task_state"])
+        self.precision.load_state_dict(state.get("precision"))
         self.step = int(state["step"])
         self.skipped.fill_(state["counters"]["skipped"])
         self.nonfinite_run.fill_(state["counters"]["nonfinite_run"])

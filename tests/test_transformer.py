@@ -245,3 +245,20 @@ def test_resume_continues_the_loss_curve_exactly(tmp_path):
     assert s["resumed_from"] == str(first) and s["steps"] == 4
     a, b = dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
     assert sorted(b) == [3, 4] and all(b[step] == a[step] for step in (3, 4)), (a, b)
+
+
+def test_mx_resume_continues_with_the_same_rounding_draws(tmp_path):
+    # Stochastic rounding of MX gradients draws from its own generators (qgemm.RngStreams): a resumed
+    # run must continue their streams, not restart them from the seed, or step 4 rounds differently.
+    from mptrain import checkpoint
+
+    common = [*TINY_TF, "precision=mx", "precision.format=mxfp4", "precision.stochastic_rounding=true",
+              "trainer.max_steps=4", "trainer.log_every=1"]
+    full = tmp_path / "full"
+    run_job(full, *common, "trainer.checkpoint_every=2", "trainer.keep_checkpoints=5")
+    first = checkpoint.list_checkpoints(full)[0]
+    assert checkpoint.load(first)["precision"]["mx_rng"]  # the streams are in the checkpoint
+    resumed = tmp_path / "resumed"
+    run_job(resumed, *common, f"trainer.resume={first}")
+    a, b = dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
+    assert sorted(b) == [3, 4] and all(b[step] == a[step] for step in (3, 4)), (a, b)

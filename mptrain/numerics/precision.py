@@ -178,6 +178,15 @@ class Precision:
             if state is not None:
                 state.after_step()
 
+    def state_dict(self) -> dict[str, Any]:
+        """What the precision itself must carry across a resume: MX's rounding streams (stochastic
+        rounding and nothing else draws from them; every rank seeds and draws alike)."""
+        return {"mx_rng": self.mx_state.rng.state_dict() if self.mx_state is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if state and state.get("mx_rng") and self.mx_state is not None:  # absent before MX checkpointed it
+            self.mx_state.rng.load_state_dict(state["mx_rng"])
+
     def input_cast(self, x: Tensor) -> Tensor:
         """Inputs follow the weights' dtype when the model itself is stored in low precision."""
         if self.autocast_dtype is None and x.is_floating_point() and self.param_dtype != torch.float32:

@@ -66,6 +66,14 @@ class RngStreams:
             gen = self._gens[device] = torch.Generator(device).manual_seed(self.seed)
         return gen
 
+    def state_dict(self) -> dict[str, Tensor]:
+        """Each device's generator state: a resumed run rounds as the uninterrupted one would."""
+        return {str(d): g.get_state() for d, g in self._gens.items()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        for d, s in state.items():
+            self.get(torch.device(d)).set_state(s)
+
 
 @dataclass
 class BlockQuantizer:
