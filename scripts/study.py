@@ -279,18 +279,17 @@ def cell_table(t: Table, model: str, cells: list[str]) -> list[str]:
     return lines
 
 
-def epochs_table(t: Table) -> list[str]:
-    """(b)/(e) past one epoch: each cell's paired penalty against FP32 after every epoch."""
+def epoch_penalties(t: Table) -> dict[str, list[dict]]:
+    """(b)/(e) past one epoch: each cell's paired penalty against FP32 (% perplexity) after every
+    epoch, for results.json (the README's prose and table read it from there)."""
     m, r = EPOCHS_MODEL, RECIPES[EPOCHS_MODEL]
-    lines = ["| cell | " + " | ".join(f"epoch {k}: Δ % ppl [95% CI] (n)" for k in range(1, r.evals + 1)) + " |",
-             "|---|" + "---|" * r.evals]
+    out: dict[str, list[dict]] = {}
     for c in r.cells[1:]:
-        row = []
+        out[c] = []
         for k in range(1, r.evals + 1):
             v = t.judge("", "equivalent", m, c, epoch=k)
-            row.append(f"{fmt(v.effect, '+.2f')} [{fmt(v.ci95[0], '+.2f')}, {fmt(v.ci95[1], '+.2f')}] ({v.n_seeds})")
-        lines.append(f"| {c} | " + " | ".join(row) + " |")
-    return lines
+            out[c].append({"epoch": k, "effect": v.effect, "lo": v.ci95[0], "hi": v.ci95[1], "n_seeds": v.n_seeds})
+    return out
 
 
 def telemetry_table(recs: list[dict]) -> list[str]:
@@ -481,7 +480,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
     goes to docs/results only when every run is complete, current and paired where it has a twin;
     otherwise (or with --quick) to <runs>/report, so partial data never replaces the study's."""
     import torch
-    from study_prose import render_readme
+    from study_prose import epochs_table, render_readme
 
     specs = all_specs(quick)
     recs = [record(s, runs / s.name) for s in specs]
@@ -505,8 +504,9 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
     for m in RECIPES:
         md += [f"## {m}", "", f"`{' '.join(RECIPES[m].overrides)}`, {RECIPES[m].steps} steps", "",
                *cell_table(t, m, model_cells(m)), ""]
+    epochs = epoch_penalties(t)
     md += [f"## {EPOCHS_MODEL}: the paired penalty after each epoch ((b) and (e) past one epoch)", "",
-           *epochs_table(t), ""]
+           *epochs_table(epochs), ""]
     md += ["## Telemetry (seed 0, FP32 shadow pass: lost = nonzero in FP32, zero in the run)", "",
            *telemetry_table(recs), ""]
     if incomplete:
@@ -529,6 +529,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
                      n_seeds=[p["n_seeds"] for p in c["parts"]],
                      runs=sorted({n for p in c["parts"] for n in p["runs"]}),
                      parts=c["parts"]) for c in cl],
+        epochs=epochs,
         figures=pngs,
         runs=recs,
     )

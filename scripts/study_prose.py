@@ -14,7 +14,9 @@ A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spe
   largest |cell - fp32| per seed in the metric's own unit, e.g. ppl) and
   gap_seed (its seed).
 - ``diff:RUN_A:RUN_B:DOTTED.PATH``: run A's field minus run B's.
-- ``table:verdicts``: the verdict table.
+- ``epoch:CELL:K:FIELD``: the 4-epoch LM's paired penalty against FP32 after epoch K. FIELD:
+  effect, lo, hi, n_seeds.
+- ``table:verdicts``, ``table:epochs``: the verdict table; the per-epoch penalties.
 
 A format ending in ``u`` writes minus signs as the prose does (−), e.g. ``+.2fu``.
 
@@ -85,8 +87,13 @@ def value(results: dict, expr: str) -> Any:
     if kind == "diff":  # run A's field minus run B's
         a, b = (next(r for r in results["runs"] if r["name"] == n) for n in args[:2])
         return _dig(a, args[2]) - _dig(b, args[2])
+    if kind == "epoch":  # epoch:CELL:K:FIELD, the 4-epoch LM's paired penalty after epoch K
+        row = results["epochs"][args[0]][int(args[1]) - 1]
+        return row[args[2]]
     if kind == "table" and args == ["verdicts"]:
         return "\n".join(verdict_lines(results["claims"]))
+    if kind == "table" and args == ["epochs"]:
+        return "\n".join(epochs_table(results["epochs"]))
     raise KeyError(f"unknown placeholder {expr!r}")
 
 
@@ -104,6 +111,21 @@ def verdict_lines(claims: list[dict]) -> list[str]:
                 f"{p['verdict']} | {f(p['effect'], '+.2f')} {p['unit']} | [{f(lo, '+.2f')}, {f(hi, '+.2f')}] | "
                 f"{p['n_seeds']} | {p['seeds_to_decide'] or ''} |"
             )
+    return lines
+
+
+def epochs_table(epochs: dict[str, list[dict]]) -> list[str]:
+    """Each cell's paired penalty against FP32 after every epoch (from results.json's ``epochs``)."""
+
+    def f(x: Any) -> str:
+        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, "+.2f")
+
+    n = max((len(rows) for rows in epochs.values()), default=0)
+    lines = ["| cell | " + " | ".join(f"epoch {k}: Δ % ppl [95% CI] (seeds)" for k in range(1, n + 1)) + " |",
+             "|---|" + "---|" * n]
+    for cell, rows in epochs.items():
+        lines.append(f"| {cell} | " + " | ".join(
+            f"{f(r['effect'])} [{f(r['lo'])}, {f(r['hi'])}] ({r['n_seeds']})" for r in rows) + " |")
     return lines
 
 

@@ -184,7 +184,14 @@ def test_per_epoch_penalties_read_the_validation_curve(study) -> None:
     t = study.Table(recs)
     assert [t.judge("", "worse", "lstm_lm_4ep", "fp16_none", epoch=k).effect for k in (1, 2, 4)] == pytest.approx(
         [2.0, 1.0, 0.5])
-    assert "epoch 4" in study.epochs_table(t)[0]
+    # results.json carries them, and the README's prose and table read them from there
+    import study_prose as prose
+
+    results = {"epochs": study.epoch_penalties(t)}
+    assert prose.value(results, "epoch:fp16_none:2:effect") == pytest.approx(1.0)
+    assert prose.value(results, "epoch:fp16_none:4:n_seeds") == 5
+    table = prose.value(results, "table:epochs").splitlines()
+    assert "epoch 4" in table[0] and table[2].startswith("| fp16_none | +2.00 [")
 
 
 def test_the_results_readme_is_its_template_rendered_from_results_json(study) -> None:
