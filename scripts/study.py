@@ -530,6 +530,9 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
                      runs=sorted({n for p in c["parts"] for n in p["runs"]}),
                      parts=c["parts"]) for c in cl],
         epochs=epochs,
+        # the study's cost: every completed run's own wall time, one thread each (2 ran at a time)
+        totals=dict(runs=sum(r.get("status") == "completed" for r in recs),
+                    run_hours=sum(r.get("wall_time_s") or 0.0 for r in recs) / 3600),
         figures=pngs,
         runs=recs,
     )

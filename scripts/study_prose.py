@@ -16,6 +16,8 @@ A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spe
 - ``diff:RUN_A:RUN_B:DOTTED.PATH``: run A's field minus run B's.
 - ``epoch:CELL:K:FIELD``: the 4-epoch LM's paired penalty against FP32 after epoch K. FIELD:
   effect, lo, hi, n_seeds.
+- ``meta:DOTTED.PATH``: any other field of results.json, e.g. ``meta:machine.torch``,
+  ``meta:totals.run_hours``.
 - ``table:verdicts``, ``table:epochs``: the verdict table; the per-epoch penalties.
 
 A format ending in ``u`` writes minus signs as the prose does (−), e.g. ``+.2fu``.
@@ -87,6 +89,8 @@ def value(results: dict, expr: str) -> Any:
     if kind == "diff":  # run A's field minus run B's
         a, b = (next(r for r in results["runs"] if r["name"] == n) for n in args[:2])
         return _dig(a, args[2]) - _dig(b, args[2])
+    if kind == "meta":  # any other field of results.json, e.g. machine.torch, totals.run_hours
+        return _dig(results, args[0])
     if kind == "epoch":  # epoch:CELL:K:FIELD, the 4-epoch LM's paired penalty after epoch K
         row = results["epochs"][args[0]][int(args[1]) - 1]
         return row[args[2]]
