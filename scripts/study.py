@@ -240,23 +240,6 @@ def ms(vals: list[float]) -> str:
     return f"{statistics.fmean(vals):.2f} ± {statistics.stdev(vals):.2f}"
 
 
-def verdict_table(cl: list[dict]) -> list[str]:
-    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | seeds "
-             "| seeds to decide (at the observed mean) | seeds if true Δ = 0 | p | survives Holm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in cl:
-        for i, p in enumerate(c["parts"]):
-            lo, hi = p["ci95"]
-            head = f"{c['id']} **{c['verdict']}** (Holm: {c['holm_verdict']})" if i == 0 else ""
-            lines.append(
-                f"| {head} | {p['claim']} | {p['verdict']} | {fmt(p['effect'], '+.2f')} {p['unit']} | "
-                f"[{fmt(lo, '+.2f')}, {fmt(hi, '+.2f')}] | {p['n_seeds']} | {p['seeds_to_decide'] or ''} | "
-                f"{p.get('seeds_if_equal') or ''} | {fmt(p.get('p_value'), '.2g')} | "
-                f"{'yes' if p.get('holm') else 'no'} |"
-            )
-    return lines
-
-
 def cell_table(t: Table, model: str, cells: list[str]) -> list[str]:
     r = RECIPES[model]
     seeds = model_seeds(model)
@@ -480,7 +463,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
     goes to docs/results only when every run is complete, current and paired where it has a twin;
     otherwise (or with --quick) to <runs>/report, so partial data never replaces the study's."""
     import torch
-    from study_prose import epochs_table, render_readme
+    from study_prose import epochs_table, render_readme, verdict_lines
 
     specs = all_specs(quick)
     recs = [record(s, runs / s.name) for s in specs]
@@ -500,7 +483,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
     md += ["## Verdicts", "", "Claims use paired runs only (digests equal to their FP32 twin's, same code version). "
            "p: the one-sided test of the verdict reached; Holm: over every distinct part at 2.5% family-wise. "
            "(b) and (e) rest on different runs: (b) the 1-epoch LM, (e) the 4-epoch LM.", "",
-           *verdict_table(cl), ""]
+           *verdict_lines(cl), ""]
     for m in RECIPES:
         md += [f"## {m}", "", f"`{' '.join(RECIPES[m].overrides)}`, {RECIPES[m].steps} steps", "",
                *cell_table(t, m, model_cells(m)), ""]
@@ -543,7 +526,7 @@ def report(runs: Path, quick: bool, partial: bool = False) -> Path:
         if "[missing: " in readme:
             print(f"README.template.md names figures these results lack: see [missing: ...] in {out / 'README.md'}")
         (out / "README.md").write_text(readme)
-    print("\n".join(verdict_table(cl)))
+    print("\n".join(verdict_lines(cl)))
     print(f"holds: {sum(c['verdict'] == HOLDS for c in cl)} of {len(cl)} claims; report in {out}")
     return out
 

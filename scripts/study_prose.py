@@ -102,18 +102,23 @@ def value(results: dict, expr: str) -> Any:
 
 
 def verdict_lines(claims: list[dict]) -> list[str]:
+    """The verdict table (README and tables.md): every part of every claim, with Holm's survival."""
+
     def f(x: Any, spec: str) -> str:
         return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
-    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | seeds | seeds to decide |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | seeds "
+             "| seeds to decide (at the observed mean) | seeds if true Δ = 0 | p | survives Holm |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in claims:
         for i, p in enumerate(c["parts"]):
             lo, hi = p["ci95"]
+            head = f"{c['id']} **{c['verdict']}** (Holm: {c.get('holm_verdict', '—')})" if i == 0 else ""
             lines.append(
-                f"| {c['id'] if i == 0 else ''} {('**' + c['verdict'] + '**') if i == 0 else ''} | {p['claim']} | "
-                f"{p['verdict']} | {f(p['effect'], '+.2f')} {p['unit']} | [{f(lo, '+.2f')}, {f(hi, '+.2f')}] | "
-                f"{p['n_seeds']} | {p['seeds_to_decide'] or ''} |"
+                f"| {head} | {p['claim']} | {p['verdict']} | {f(p['effect'], '+.2f')} {p['unit']} | "
+                f"[{f(lo, '+.2f')}, {f(hi, '+.2f')}] | {p['n_seeds']} | {p.get('seeds_to_decide') or ''} | "
+                f"{p.get('seeds_if_equal') or ''} | {f(p.get('p_value'), '.2g')} | "
+                f"{'yes' if p.get('holm') else 'no'} |"
             )
     return lines
 
