@@ -12,7 +12,7 @@ A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spe
   dmin, dmax, absmax, dstd (the paired difference from FP32 per seed, in the claim's unit: points,
   or % of perplexity: its least, largest, largest absolute value, standard deviation); gap (the
   largest |cell - fp32| per seed in the metric's own unit, e.g. ppl) and
-  gap_seed (its seed).
+  gap_seed (its seed); wall (a run's mean wall time, seconds).
 - ``diff:RUN_A:RUN_B:DOTTED.PATH``: run A's field minus run B's.
 - ``epoch:CELL:K:FIELD``: the 4-epoch LM's paired penalty against FP32 after epoch K. FIELD:
   effect, lo, hi, n_seeds.
@@ -50,6 +50,9 @@ def cell_stat(results: dict, model: str, cell: str, stat: str) -> float | int | 
     metric = _metric(results, model)
     rows = _runs(results, model, cell)
     vals = {s: r["metrics"][metric] for s, r in rows.items()}
+    if stat == "wall":  # a run's mean wall time, seconds (one thread)
+        w = [r["wall_time_s"] for r in rows.values() if r.get("wall_time_s")]
+        return statistics.fmean(w) if w else None
     if stat in ("mean", "std", "n"):
         v = list(vals.values())
         return {"mean": statistics.fmean, "std": statistics.stdev, "n": len}[stat](v) if v else None

@@ -209,3 +209,13 @@ def test_the_results_readme_is_its_template_rendered_from_results_json(study) ->
     body = "\n".join(line for line in body.splitlines() if not line.startswith("|"))
     allowed = {"0.5", "1%", "95%", "0.02", "3.86%"}
     assert set(prose.literal_figures(body)) <= allowed
+
+
+def test_prose_reads_run_times_and_results_fields() -> None:
+    import study_prose as prose
+
+    runs = [dict(model="m", cell=c, seed=s, part="parity", status="completed", metrics={"top1": 90.0 + s},
+                 wall_time_s=w * (s + 1)) for c, w in (("fp32", 10.0), ("amp_fp16", 40.0)) for s in (0, 1)]
+    results = {"runs": runs, "recipes": {"m": {"metric": "top1"}}, "totals": {"run_hours": 2.5}}
+    assert prose.value(results, "cell:m:amp_fp16:wall") == pytest.approx(60.0)  # (40 + 80) / 2
+    assert prose.render_readme("{{cell:m:fp32:wall|.0f}} s; {{meta:totals.run_hours|.1f}} h", results) == "15 s; 2.5 h"
