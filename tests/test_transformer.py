@@ -232,18 +232,24 @@ def test_fp8_and_adaptive_are_allowed_where_they_work():
     validate(compose([*TINY_TF, "precision=amp_fp16", "loss_scale=adaptive", "model.tie_weights=false"]))
 
 
-def test_resume_continues_the_loss_curve_exactly(tmp_path):
-    # Dropout on: the resumed run needs the RNG state; the tied weight must come back as one tensor.
+def full_and_resumed(tmp_path, *overrides: str):
+    """A 4-step run checkpointing at step 2, and a run resumed from that checkpoint: (checkpoint,
+    resumed run's summary, full run's losses, resumed run's losses)."""
     from mptrain import checkpoint
 
-    common = [*TINY_TF, "model.dropout=0.2", "trainer.max_steps=4", "trainer.log_every=1"]
+    common = [*TINY_TF, *overrides, "trainer.max_steps=4", "trainer.log_every=1"]
     full = tmp_path / "full"
     run_job(full, *common, "trainer.checkpoint_every=2", "trainer.keep_checkpoints=5")
     first = checkpoint.list_checkpoints(full)[0]
     resumed = tmp_path / "resumed"
     s = run_job(resumed, *common, f"trainer.resume={first}")
+    return first, s, dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
+
+
+def test_resume_continues_the_loss_curve_exactly(tmp_path):
+    # Dropout on: the resumed run needs the RNG state; the tied weight must come back as one tensor.
+    first, s, a, b = full_and_resumed(tmp_path, "model.dropout=0.2")
     assert s["resumed_from"] == str(first) and s["steps"] == 4
-    a, b = dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
     assert sorted(b) == [3, 4] and all(b[step] == a[step] for step in (3, 4)), (a, b)
 
 
@@ -252,13 +258,8 @@ def test_mx_resume_continues_with_the_same_rounding_draws(tmp_path):
     # run must continue their streams, not restart them from the seed, or step 4 rounds differently.
     from mptrain import checkpoint
 
-    common = [*TINY_TF, "precision=mx", "precision.format=mxfp4", "precision.stochastic_rounding=true",
-              "trainer.max_steps=4", "trainer.log_every=1"]
-    full = tmp_path / "full"
-    run_job(full, *common, "trainer.checkpoint_every=2", "trainer.keep_checkpoints=5")
-    first = checkpoint.list_checkpoints(full)[0]
+    first, _, a, b = full_and_resumed(
+        tmp_path, "precision=mx", "precision.format=mxfp4", "precision.stochastic_rounding=true"
+    )
     assert checkpoint.load(first)["precision"]["mx_rng"]  # the streams are in the checkpoint
-    resumed = tmp_path / "resumed"
-    run_job(resumed, *common, f"trainer.resume={first}")
-    a, b = dict(scalars(full)["train/loss"]), dict(scalars(resumed)["train/loss"])
     assert sorted(b) == [3, 4] and all(b[step] == a[step] for step in (3, 4)), (a, b)
