@@ -56,6 +56,9 @@ from study_runs import mark_pairing, read_json, record, run_specs  # noqa: E402
 
 from mptrain.verdicts import HOLDS, Verdict, combine, holm, judge  # noqa: E402
 
+# A plotted effect beyond this many margins is drawn as an arrow with its value, not to scale.
+OFFSCALE = 50
+
 DOCS = ROOT / "docs" / "results"
 
 
@@ -189,18 +192,20 @@ def claims(t: Table) -> list[dict]:
         t.judge(f"{cm}: adaptive (defaults) matches dynamic (defaults)", "equivalent", cm, "fp16_adaptive", "amp_fp16"),
     ], f"(c, CNN) Adaptive scaling needs no search ({cm}): at its defaults it matches FP32 and dynamic")
     # (d) FP8 as Mellempudi et al.: E5M2 unscaled degrades, enhanced scaling recovers, its floor and SR matter
-    f = FP8_MODEL
+    f, fr = FP8_MODEL, RECIPES[FP8_MODEL]
+    beyond = f"by more than {fr.margin} {fr.unit}"  # a "worse" part is judged against the margin
     add("d", [
-        t.judge(f"{f}: fp8 without loss scaling is worse than fp32", "worse", f, "fp8_none"),
+        t.judge(f"{f}: fp8 without loss scaling is worse than fp32 {beyond}", "worse", f, "fp8_none"),
         t.judge(f"{f}: fp8 with enhanced scaling (and SR) matches fp32", "equivalent", f, "fp8"),
-        t.judge(f"{f}: fp8 with enhanced's dynamic rule but no floor is worse than with the floor", "worse", f,
-                "fp8_dyn", "fp8"),
-        t.judge(f"{f}: fp8 without stochastic rounding is worse than with it", "worse", f, "fp8_nosr", "fp8"),
+        t.judge(f"{f}: fp8 with enhanced's dynamic rule but no floor is worse than with the floor {beyond}",
+                "worse", f, "fp8_dyn", "fp8"),
+        t.judge(f"{f}: fp8 without stochastic rounding is worse than with it {beyond}", "worse", f, "fp8_nosr", "fp8"),
     ], f"(d) FP8 (E5M2, no per-tensor scaling) on {f}: unscaled degrades, enhanced recovers, its floor and SR matter")
     # (e) on its own runs, 4 epochs: the LM needs a scale, and still does at the end
-    e = EPOCHS_MODEL
+    e, er = EPOCHS_MODEL, RECIPES[EPOCHS_MODEL]
     add("e", [
-        t.judge(f"{e}: amp_fp16 without loss scaling is worse than fp32 after 4 epochs", "worse", e, "fp16_none"),
+        t.judge(f"{e}: amp_fp16 without loss scaling is worse than fp32 by more than {er.margin} {er.unit} "
+                "after 4 epochs", "worse", e, "fp16_none"),
         t.judge(f"{e}: dynamic (amp_fp16) matches fp32 after 4 epochs", "equivalent", e, "amp_fp16"),
         t.judge(f"{e}: fp16_master with dynamic scaling matches fp32 after 4 epochs", "equivalent", e, "fp16_master"),
     ], f"(e) The LSTM LM needs a loss scale ({e}: its own runs, 4 epochs, 2,240 positions per loss)")
@@ -335,8 +340,18 @@ def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
                 errs.append([[v.effect - v.ci95[0]], [v.ci95[1] - v.effect]])
         ax.axhspan(-r.margin, r.margin, color="tab:green", alpha=0.15, label=f"±{r.margin} margin")
         ax.axhline(0, color="black", lw=0.8)
-        for i, (y, e) in enumerate(zip(ys, errs, strict=True)):
-            ax.errorbar([i], [y], yerr=e, fmt="o", color="tab:blue", capsize=4)
+        # A cell that fails by orders of magnitude (the LM's static 2^24) would flatten every other
+        # interval to a dot: it is drawn as an arrow at the plot's edge with its value written out.
+        far = [abs(y) - e[0 if y > 0 else 1][0] > OFFSCALE * r.margin for y, e in zip(ys, errs, strict=True)]
+        for i, (y, e, f) in enumerate(zip(ys, errs, far, strict=True)):
+            if not f:
+                ax.errorbar([i], [y], yerr=e, fmt="o", color="tab:blue", capsize=4)
+        for i, (y, f) in enumerate(zip(ys, far, strict=True)):
+            if f:
+                top = y > 0
+                ax.annotate(f"{y:+.0f} (off scale)", xy=(i, 1.0 if top else 0.0), xycoords=("data", "axes fraction"),
+                            xytext=(i, 0.8 if top else 0.2), textcoords=("data", "axes fraction"), ha="right",
+                            fontsize=7, color="tab:red", arrowprops={"arrowstyle": "->", "color": "tab:red"})
         ax.set_xticks(range(len(xs)), xs, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel(f"Δ vs fp32, {r.unit}" + (" (higher is worse)" if r.metric == "ppl" else ""))
         ax.set_title(f"{m}: paired Δ vs FP32, 95% CI (paired runs only)", fontsize=9)
@@ -405,8 +420,21 @@ def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
                 xs.append(math.log2(sc))
                 ys.append(statistics.fmean(v))
                 es.append(statistics.stdev(v) if len(v) > 1 else 0)
+        # as in parity.png: a scale that fails by orders of magnitude is an arrow with its value
+        ref = t.mean(m, "fp32") or 0.0
+        far = [abs(y / ref - 1) * 100 > OFFSCALE * r.margin if r.metric == "ppl" else abs(y - ref) > OFFSCALE * r.margin
+               for y in ys]
+        near = [(x, y, e) for x, y, e, f in zip(xs, ys, es, far, strict=True) if not f]
+        if near:
+            nx, ny, ne = zip(*near, strict=True)
+            ax.errorbar(nx, ny, yerr=ne, fmt="o-", capsize=4, label="static scale (mean ± std)")
         if xs:
-            ax.errorbar(xs, ys, yerr=es, fmt="o-", capsize=4, label="static scale (mean ± std)")
+            ax.set_xlim(min(xs) - 1, max(xs) + 1)
+        for x, y, f in zip(xs, ys, far, strict=True):
+            if f:
+                ax.annotate(f"2^{x:.0f}: {y:.0f} (off scale)", xy=(x, 1), xycoords=("data", "axes fraction"),
+                            xytext=(x, 0.8), textcoords=("data", "axes fraction"), ha="right", fontsize=7,
+                            color="tab:red", arrowprops={"arrowstyle": "->", "color": "tab:red"})
         for cell, style, label in [("fp32", "k-", "fp32"), ("amp_fp16", "g--", "dynamic"),
                                    ("fp16_adaptive", "m-.", "adaptive"), ("fp16_none", "r:", "no scaling")]:
             mu = t.mean(m, cell)

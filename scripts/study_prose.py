@@ -9,10 +9,11 @@ A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spe
 - ``run:NAME:DOTTED.PATH``: any field of a run's row, e.g.
   ``run:lstm_lm-fp32-tel-s0:telemetry.act_hist_zero_frac``.
 - ``cell:MODEL:CELL:STAT``: over the cell's completed runs. STAT: mean, std (of the metric), n;
-  dmin, dmax, absmax, dstd (the paired difference from FP32 per seed, in the claim's unit: points,
-  or % of perplexity: its least, largest, largest absolute value, standard deviation); gap (the
-  largest |cell - fp32| per seed in the metric's own unit, e.g. ppl) and
-  gap_seed (its seed); wall (a run's mean wall time, seconds).
+  dmin, dmax, dmean, absmax, dstd (the paired difference from FP32 per seed, in the claim's unit:
+  points, or % of perplexity: its least, largest and mean value, largest absolute value, standard
+  deviation); gap (the largest |cell - fp32| per seed in the metric's own unit, e.g. ppl) and
+  gap_seed (its seed); wall (a run's mean wall time, seconds); min.FIELD and max.FIELD (a run
+  field's least and largest value over the cell, e.g. ``max.skipped_steps``).
 - ``diff:RUN_A:RUN_B:DOTTED.PATH``: run A's field minus run B's.
 - ``epoch:CELL:K:FIELD``: the 4-epoch LM's paired penalty against FP32 after epoch K. FIELD:
   effect, lo, hi, n_seeds.
@@ -50,6 +51,9 @@ def cell_stat(results: dict, model: str, cell: str, stat: str) -> float | int | 
     metric = _metric(results, model)
     rows = _runs(results, model, cell)
     vals = {s: r["metrics"][metric] for s, r in rows.items()}
+    if stat.startswith(("min.", "max.")):  # a run field's least or largest value over the cell
+        f = [_dig(r, stat[4:]) for r in rows.values()]
+        return (min if stat.startswith("min") else max)(f) if f else None
     if stat == "wall":  # a run's mean wall time, seconds (one thread)
         w = [r["wall_time_s"] for r in rows.values() if r.get("wall_time_s")]
         return statistics.fmean(w) if w else None
@@ -66,7 +70,7 @@ def cell_stat(results: dict, model: str, cell: str, stat: str) -> float | int | 
     diffs = [vals[s] - ref[s] if metric == "top1" else 100 * (vals[s] / ref[s] - 1) for s in seeds]
     if stat == "dstd":
         return statistics.stdev(diffs) if len(diffs) > 1 else None
-    return {"dmin": min, "dmax": max, "absmax": lambda d: max(map(abs, d))}[stat](diffs)
+    return {"dmin": min, "dmax": max, "dmean": statistics.fmean, "absmax": lambda d: max(map(abs, d))}[stat](diffs)
 
 
 def _dig(obj: Any, path: str) -> Any:
