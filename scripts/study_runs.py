@@ -158,10 +158,15 @@ def record(s: Spec, run_dir: Path) -> dict:
         pairing_digests=summary.get("pairing"),
         telemetry=telemetry_digest(summary),
     )
+    from mptrain.report import read_curves
+
+    # Issue 18, item 6: a loss spike late in training is a precision event the final metric can
+    # hide, so every run reports its largest one-batch loss over the second half of its steps.
+    losses = read_curves(run_dir, ("train/loss",)).get("train/loss") or []
+    late = [v for step, v in losses if step > (summary.get("steps") or 0) / 2]
+    r["late_loss_max"] = max(late) if late else None
     metric = RECIPES[s.model].metric
     if RECIPES[s.model].evals > 1 and not s.tag:
-        from mptrain.report import read_curves
-
         r["val_curve"] = read_curves(run_dir, (f"val/{metric}",)).get(f"val/{metric}")
     return r
 
