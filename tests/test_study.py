@@ -229,3 +229,22 @@ def test_prose_reads_run_times_and_results_fields() -> None:
     results = {"runs": runs, "recipes": {"m": {"metric": "top1"}}, "totals": {"run_hours": 2.5}}
     assert prose.value(results, "cell:m:amp_fp16:wall") == pytest.approx(60.0)  # (40 + 80) / 2
     assert prose.render_readme("{{cell:m:fp32:wall|.0f}} s; {{meta:totals.run_hours|.1f}} h", results) == "15 s; 2.5 h"
+    # a run field's extremes over a cell, and the mean paired difference
+    assert prose.value(results, "cell:m:amp_fp16:max.wall_time_s") == pytest.approx(80.0)
+    assert prose.value(results, "cell:m:fp32:min.metrics.top1") == pytest.approx(90.0)
+    assert prose.value(results, "cell:m:amp_fp16:dmean") == pytest.approx(0.0)
+
+
+def test_a_run_records_its_largest_late_loss_not_an_early_one(runs_mod, parts, tmp_path) -> None:
+    """Issue 18, item 6: a spike in the second half of training is reported even when the final
+    metric hides it; one in the first half (still learning) is not what the field is for."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    s = parts.spec("parity", "lstm_lm", "fp32", 0, quick=True)
+    run_dir = tmp_path / s.name
+    run_dir.mkdir()
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "steps": 10, "metrics": {"ppl": 5.0}}))
+    with SummaryWriter(str(run_dir)) as w:
+        for step in range(1, 11):
+            w.add_scalar("train/loss", {3: 9.0, 8: 4.0}.get(step, 1.0), step)
+    assert runs_mod.record(s, run_dir)["late_loss_max"] == pytest.approx(4.0)
