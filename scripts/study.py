@@ -303,6 +303,14 @@ def telemetry_table(recs: list[dict]) -> list[str]:
 # ------------------------------------------------------------------------------------------ figures
 
 
+def off_scale(ax, x: float, text: str, top: bool) -> None:
+    """An arrow at the plot's top (or bottom) edge for a value too far out to draw to scale."""
+    edge = (1.0, 0.8) if top else (0.0, 0.2)
+    ax.annotate(text, xy=(x, edge[0]), xycoords=("data", "axes fraction"), xytext=(x, edge[1]),
+                textcoords=("data", "axes fraction"), ha="right", fontsize=7, color="tab:red",
+                arrowprops={"arrowstyle": "->", "color": "tab:red"})
+
+
 def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
     import matplotlib
 
@@ -348,10 +356,7 @@ def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
                 ax.errorbar([i], [y], yerr=e, fmt="o", color="tab:blue", capsize=4)
         for i, (y, f) in enumerate(zip(ys, far, strict=True)):
             if f:
-                top = y > 0
-                ax.annotate(f"{y:+.0f} (off scale)", xy=(i, 1.0 if top else 0.0), xycoords=("data", "axes fraction"),
-                            xytext=(i, 0.8 if top else 0.2), textcoords=("data", "axes fraction"), ha="right",
-                            fontsize=7, color="tab:red", arrowprops={"arrowstyle": "->", "color": "tab:red"})
+                off_scale(ax, i, f"{y:+.0f} (off scale)", top=y > 0)
         ax.set_xticks(range(len(xs)), xs, rotation=35, ha="right", fontsize=7)
         ax.set_ylabel(f"Δ vs fp32, {r.unit}" + (" (higher is worse)" if r.metric == "ppl" else ""))
         ax.set_title(f"{m}: paired Δ vs FP32, 95% CI (paired runs only)", fontsize=9)
@@ -432,9 +437,7 @@ def figures(t: Table, runs: Path, specs: list[Spec], out: Path) -> list[str]:
             ax.set_xlim(min(xs) - 1, max(xs) + 1)
         for x, y, f in zip(xs, ys, far, strict=True):
             if f:
-                ax.annotate(f"2^{x:.0f}: {y:.0f} (off scale)", xy=(x, 1), xycoords=("data", "axes fraction"),
-                            xytext=(x, 0.8), textcoords=("data", "axes fraction"), ha="right", fontsize=7,
-                            color="tab:red", arrowprops={"arrowstyle": "->", "color": "tab:red"})
+                off_scale(ax, x, f"2^{x:.0f}: {y:.0f} (off scale)", top=True)
         for cell, style, label in [("fp32", "k-", "fp32"), ("amp_fp16", "g--", "dynamic"),
                                    ("fp16_adaptive", "m-.", "adaptive"), ("fp16_none", "r:", "no scaling")]:
             mu = t.mean(m, cell)
