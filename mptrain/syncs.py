@@ -51,7 +51,7 @@ class SyncCounts:
 
 def _caller() -> str:
     # The innermost frame outside torch and this module: the line of mptrain (or a test) that asked.
-    for frame in reversed(traceback.extract_stack()[:-3]):
+    for frame in reversed(traceback.extract_stack()):
         f = frame.filename.replace("\\", "/")
         if "/torch/" not in f and not f.endswith("mptrain/syncs.py"):
             return f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{frame.lineno}"
