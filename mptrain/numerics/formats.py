@@ -9,10 +9,14 @@ only in what their top exponent encodes:
 - ``e3m2``, ``e2m3`` (OCP FP6) and ``e2m1`` (OCP FP4): no Inf, no NaN; every pattern is a number
   (max 28, 7.5 and 6).
 
-``round_to_element`` rounds FP32 values onto a format's grid and returns FP32 values on it:
-round-to-nearest-even with subnormals, or unbiased stochastic rounding drawing from a caller's
-``torch.Generator`` only. ``element_grid`` decodes every bit pattern of a format: an independent
-reference for tests (it shares no code with the rounding).
+``round_to_element`` rounds FP32 (or float64, once) values onto a format's grid and returns FP32 values
+on it: round-to-nearest-even with subnormals, or unbiased stochastic rounding drawing from a caller's
+generator only (a ``torch.Generator``, or the run's counter-based ``RoundingStream``).
+``element_grid`` decodes every bit pattern of a format: an independent reference for tests (it
+shares no code with the rounding).
+
+This is the *reference* rounding. ``mptrain.numerics.fused`` runs the same rounding compiled (one
+pass over memory), and the tests hold the two bit-identical.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from mptrain.numerics.rounding_rng import RoundingStream
 
 
 @dataclass(frozen=True)
@@ -127,7 +133,7 @@ def round_to_element(
     fmt: ElementFormat,
     *,
     stochastic: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RoundingStream | None = None,
     saturate: bool = True,
 ) -> Tensor:
     """Round ``x`` onto ``fmt``'s grid; returns FP32 values on the grid, in x's shape.
@@ -135,6 +141,7 @@ def round_to_element(
     Round-to-nearest-even with subnormals, or (``stochastic``) up with probability equal to the
     distance from the grid point below over the spacing, so E[round(x)] = x. Stochastic rounding
     draws only from ``generator`` (required): a run's other random streams stay untouched.
+    float64 input is rounded once, straight onto the grid (every grid value is an FP32 value).
 
     ``saturate=True``: |x| past max (+-Inf included) becomes +-max, as OCP MX conversions do.
     ``saturate=False``: what an IEEE cast does, only for formats that can say it: values that round
@@ -142,25 +149,63 @@ def round_to_element(
     NaN stays NaN (for FP6/FP4, which cannot encode it, the block scale carries it: see mx.py).
     """
     if stochastic and generator is None:
-        raise ValueError("stochastic rounding needs a torch.Generator (it never draws from the global RNG)")
+        raise ValueError(
+            "stochastic rounding needs a generator: a torch.Generator or a RoundingStream (it never draws from the "
+            "global RNG)"
+        )
     if not saturate and not (fmt.has_inf or fmt.has_nan):
         raise ValueError(f"{fmt.name} has no Inf or NaN to overflow to: use saturate=True")
-    xf = x.float()
-    if not stochastic and fmt.torch_dtype is not None:
+    xf = work_dtype(x)
+    if stochastic:
+        q = round_arith(xf, fmt, uniform(xf.shape, generator, xf.device))  # type: ignore[arg-type]
+    elif fmt.torch_dtype is not None and xf.dtype == torch.float32:
         # torch's cast is round-to-nearest-even with subnormals and fast; it overflows (or for
-        # E4M3FN, saturates) by its own rule, so the saturation is done here, explicitly.
+        # E4M3FN, saturates) by its own rule, so the saturation is done here, explicitly. (From
+        # float64 torch casts through FP32, a second rounding: the arithmetic below rounds once.)
         q = xf.clamp(-fmt.max_normal, fmt.max_normal).to(fmt.torch_dtype).float()
     else:
-        q = _round_generic(xf, fmt, stochastic, generator)
+        q = round_arith(xf, fmt)
     if not saturate:
-        a = xf.abs()
-        # Past max + half an ulp, round-to-nearest leaves the format (the tie goes up: the even
-        # neighbour is 2**(emax+1)); stochastic rounding leaves it as soon as |x| > max.
-        half_ulp = 2.0 ** (fmt.emax - fmt.mbits - 1)
-        over = (a > fmt.max_normal) if stochastic else (a >= fmt.max_normal + half_ulp)
-        overflow = torch.copysign(torch.full_like(q, math.inf), xf) if fmt.has_inf else torch.full_like(q, math.nan)
-        q = torch.where(over, overflow, q)
-    return q
+        q = torch.where(overflows(xf.abs(), fmt, stochastic), overflow_value(xf, fmt), q)
+    return q.float()
+
+
+def work_dtype(x: Tensor) -> Tensor:
+    """The dtype rounding is computed in: FP32 holds every FP8/FP6/FP4/FP16/BF16 value and every
+    product of one with a power-of-two scale exactly; float64 stays float64 (rounded once)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def uniform(shape: torch.Size, generator: torch.Generator | RoundingStream, device: torch.device) -> Tensor:
+    """One uniform [0, 1) draw per element, row-major, from ``generator``."""
+    if isinstance(generator, RoundingStream):
+        return generator.uniform(shape)
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def overflows(a: Tensor, fmt: ElementFormat, stochastic: bool) -> Tensor:
+    """|x| that leaves the format (``saturate=False``). Round-to-nearest keeps |x| up to max plus
+    half an ulp, and the tie at exactly max + half an ulp goes to the neighbour with the even bit
+    pattern: max itself where max's code is even (E4M3's 448 = S.1111.110: 464 rounds to 448), else
+    the code above it (E5M2, FP16, BF16: Inf). Stochastic rounding leaves the format as soon as
+    |x| > max."""
+    if stochastic:
+        return a > fmt.max_normal
+    threshold = fmt.max_normal + 2.0 ** (fmt.emax - fmt.mbits - 1)
+    return a > threshold if max_code_is_even(fmt) else a >= threshold
+
+
+def max_code_is_even(fmt: ElementFormat) -> bool:
+    """Whether the bit pattern of ``fmt``'s largest finite value is even (its last mantissa bit 0)."""
+    mantissa = round(fmt.max_normal / 2.0**fmt.emax * 2**fmt.mbits)  # 1.m as an integer, 2**mbits..2**(mbits+1)-1
+    return mantissa % 2 == 0
+
+
+def overflow_value(xf: Tensor, fmt: ElementFormat) -> Tensor:
+    """What a value past the format becomes: +-Inf where the format has Inf, else NaN."""
+    if fmt.has_inf:
+        return torch.copysign(torch.full_like(xf, math.inf), xf)
+    return torch.full_like(xf, math.nan)
 
 
 def round_generic(
@@ -170,24 +215,31 @@ def round_generic(
 
     ``round_to_element`` casts where torch can; this is the same round-to-nearest-even without the
     cast (the tests compare the two). With ``stochastic`` and no generator it draws from the global
-    RNG: only for mptrain.numerics.fp8's Mellempudi recipe, whose rounding always did.
+    RNG: only for mptrain.numerics.fp8's Mellempudi recipe outside a run.
     """
-    return _round_generic(x.float(), fmt, stochastic, generator)
+    xf = work_dtype(x)
+    u = None
+    if stochastic:
+        u = uniform(xf.shape, generator, xf.device) if generator is not None else torch.rand(xf.shape, device=xf.device)
+    return round_arith(xf, fmt, u).float()
 
 
-def _round_generic(xf: Tensor, fmt: ElementFormat, stochastic: bool, generator: torch.Generator | None) -> Tensor:
-    # Written by hand: torch has no FP6/FP4 cast (float4_e2m1fn_x2 is storage only) and no
-    # stochastic-rounding cast at all. Every step is exact in FP32: a is scaled by powers of two
-    # so that the format's spacing at a becomes 1, rounded to an integer, and scaled back.
+def round_arith(xf: Tensor, fmt: ElementFormat, u: Tensor | None = None) -> Tensor:
+    """Round FP32/float64 ``xf`` onto ``fmt``'s grid by arithmetic (saturating at max), to nearest
+    even or, given uniforms ``u`` in [0, 1), stochastically. Returns xf's dtype.
+
+    Written by hand: torch has no FP6/FP4 cast (float4_e2m1fn_x2 is storage only) and no
+    stochastic-rounding cast at all. Every step is exact: a is scaled by powers of two so that the
+    format's spacing at a becomes 1, rounded to an integer, and scaled back.
+    """
     a = xf.abs().clamp(max=fmt.max_normal)  # +-Inf saturates; NaN stays NaN
     _, e = torch.frexp(a)  # a = m * 2**e, m in [0.5, 1): floor(log2(a)) = e - 1 (exact, subnormals too)
     e = (e - 1).clamp(min=fmt.emin)  # below the smallest normal the spacing is the subnormal one
     scaled = a * exp2i(-e) * float(2**fmt.mbits)  # two exact steps: 2**(mbits - e) may exceed FP32
-    if not stochastic:
+    if u is None:
         r = torch.round(scaled)  # ties to even: "even integer" is "even mantissa"
     else:
         down = torch.floor(scaled)
-        u = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-        r = down + (u < scaled - down).float()  # up with probability (a - down) / spacing
+        r = down + (u < scaled - down).to(scaled.dtype)  # up with probability (a - down) / spacing
     q = r * (2.0**-fmt.mbits) * exp2i(e)  # on the grid, <= max (max is a grid point)
     return torch.where(torch.isnan(xf), xf, torch.copysign(q, xf))

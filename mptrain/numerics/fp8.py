@@ -60,9 +60,10 @@ from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
+from mptrain.numerics import fused
 from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed, tag
-from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
-from mptrain.numerics.rounding_rng import rounding_generator
+from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams, no_autocast
+from mptrain.numerics.rounding_rng import RoundingStream, rounding_generator
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,9 @@ _exp2i = nf.exp2i  # 2**k as float32, exact
 
 
 def _work(x: Tensor) -> Tensor:
-    # Rounding is computed in FP32: it holds every FP8/FP16/BF16 value exactly (float64 inputs
-    # are first rounded to FP32).
-    return x.float() if x.dtype != torch.float32 else x
+    # Rounding is computed in FP32, which holds every FP8/FP16/BF16 value exactly; float64 stays
+    # float64, so that it is rounded once, straight onto the format's grid.
+    return nf.work_dtype(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +159,7 @@ def _native_round(xf: Tensor, fmt: Fp8Format, saturate: bool = True) -> Tensor:
 def stochastic_round(
     x: Tensor,
     fmt_or_dtype: Fp8Format | torch.dtype,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RoundingStream | None = None,
     *,
     scale: Tensor | float | None = None,
     saturate: bool = True,
@@ -207,7 +208,7 @@ def quantize_scaled(
     x: Tensor,
     fmt: Fp8Format | torch.dtype,
     stochastic: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RoundingStream | None = None,
 ) -> Tensor:
     """Quantize x with its own per-tensor power-of-two scale; returns dequantized values."""
     s = tensor_scale(x, fmt)
@@ -240,17 +241,22 @@ class Fp8LayerSpec:
         return GemmRecipe(quantizer=q, compute_dtype=self.compute_dtype)
 
     def round_operand(self, x: Tensor) -> Tensor:
-        """Weights and activations: round to nearest, saturating at the forward format's max."""
-        return quantize_scaled(x, self.forward) if self.scaling == "tensor" else quantize(x, self.forward)
+        """Weights and activations: round to nearest, saturating at the forward format's max.
+        Fused (``mptrain.numerics.fused``); the eager reference is ``quantize`` / ``quantize_scaled``."""
+        fmt = _ELEMENT[self.forward]
+        if self.scaling == "tensor":
+            return fused.quantize_scaled(x, fmt)
+        return fused.round_to_element(x, fmt).to(x.dtype)
 
     def round_gradient(self, g: Tensor) -> Tensor:
         """Errors and weight gradients in the backward format. With loss scaling alone they are
-        rounded as they are, and past E5M2's max they become Inf: the loss scaler's overflow."""
+        rounded as they are, and past E5M2's max they become Inf: the loss scaler's overflow.
+        Stochastic rounding draws from the run's rounding stream (the global RNG outside a run)."""
+        fmt = _ELEMENT[self.backward]
+        gen = rounding_generator(g.device) if self.stochastic else None
         if self.scaling == "tensor":
-            return quantize_scaled(g, self.backward, self.stochastic)
-        if self.stochastic:
-            return stochastic_round(g, self.backward, saturate=False)
-        return quantize(g, self.backward, saturate=False)
+            return fused.quantize_scaled(g, fmt, stochastic=self.stochastic, generator=gen)
+        return fused.round_to_element(g, fmt, stochastic=self.stochastic, generator=gen, saturate=False).to(g.dtype)
 
 
 class _QuantizeOperand(torch.autograd.Function):
@@ -329,7 +335,9 @@ class Fp8Linear(_Fp8Mixin, nn.Linear):
         if self.fp8_recipe is not None:
             return QuantLinearFn.apply(input, self.weight, self.bias, self.fp8_recipe)
         x, w, b = self._fp8_operands(input)
-        return self._fp8_output(F.linear(x, w, b), input)
+        with no_autocast(x):  # the products compute in emulated_compute, inside autocast too
+            y = F.linear(x, w, b)
+        return self._fp8_output(y, input)
 
 
 class Fp8Conv2d(_Fp8Mixin, nn.Conv2d):
@@ -343,7 +351,9 @@ class Fp8Conv2d(_Fp8Mixin, nn.Conv2d):
                 input, self.weight, self.bias, self.fp8_recipe, self.stride, self.padding, self.dilation
             )
         x, w, b = self._fp8_operands(input)
-        return self._fp8_output(self._conv_forward(x, w, b), input)
+        with no_autocast(x):
+            y = self._conv_forward(x, w, b)
+        return self._fp8_output(y, input)
 
 
 class Fp8ConvTranspose2d(_Fp8Mixin, nn.ConvTranspose2d):
@@ -361,7 +371,8 @@ class Fp8ConvTranspose2d(_Fp8Mixin, nn.ConvTranspose2d):
             self.dilation,  # type: ignore[arg-type]
         )
         stride, padding, dilation = self.stride, self.padding, self.dilation
-        y = F.conv_transpose2d(x, w, b, stride, padding, output_padding, self.groups, dilation)  # type: ignore[arg-type]
+        with no_autocast(x):
+            y = F.conv_transpose2d(x, w, b, stride, padding, output_padding, self.groups, dilation)  # type: ignore[arg-type]
         return self._fp8_output(y, input)
 
 
@@ -434,12 +445,15 @@ class Fp8State:
     def after_step(self) -> None:
         """After each optimizer step: with ``master_weights=fp16``, round every parameter of every
         converted network onto the FP16 grid (stochastically if ``stochastic_rounding``), so the
-        master copy carries only FP16 information. No host sync: device ops only."""
+        master copy carries only FP16 information. One fused kernel for all parameters of a
+        network, one stochastic draw per parameter; no host sync."""
         if self.backend != "emulated" or self.master_weights != "fp16":
             return
         for model in self.models:
-            for p in model.parameters():
-                p.copy_(stochastic_round(p, FP16) if self.stochastic_rounding else quantize(p, FP16))
+            params = list(model.parameters())
+            if params:
+                gen = rounding_generator(params[0].device) if self.stochastic_rounding else None
+                fused.round_params_(params, nf.FP16, stochastic=self.stochastic_rounding, generator=gen)
 
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -19,8 +19,11 @@ spec's rule, not a bug, and ``QuantizedBlocks.saturated`` counts it.
 E2M1 values, each block with an E4M3 scale, and one FP32 scale per tensor:
 
     tensor scale   s_t = amax(tensor) / (448 * 6)              (decode direction; 1 for an all-zero tensor)
+                   encode scale 1 / s_t, kept finite as NVIDIA's reference keeps it: where 1 / s_t
+                   would overflow FP32 (amax below ~8e-36, as gradients of an unscaled run can be),
+                   the encode scale is FP32's max and s_t its reciprocal, so the two stay inverse
     block scale    s_b = e4m3(min(amax(block) / 6 / s_t, 448))  (round-to-nearest-even, subnormals kept)
-    elements       P_i = e2m1(clamp(V_i * ((1 / s_t) / s_b), +-6))
+    elements       P_i = e2m1(clamp(V_i * (encode / s_b), +-6))
     value          V_i ~ P_i * (s_t * s_b)
 
 The operation order is torchao's (``nvfp4_quantize``) so that the two agree bit for bit. One
@@ -34,10 +37,15 @@ that the layers apply to both operands of the weight-gradient GEMM.
 
 Lengths that are not a multiple of the block are padded with zeros (zeros change no block's amax
 and contribute nothing to a dot product); ``pad=False`` refuses them with a ValueError instead.
+
+``quantize_blocks`` is the *reference*: eager, every intermediate materialised, every statistic
+available. Training runs ``mptrain.numerics.fused``'s compiled copy of it, held bit-identical by
+the tests.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,10 +53,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mptrain.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, ElementFormat, exp2i, round_to_element
+from mptrain.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, ElementFormat, exp2i, round_to_element, work_dtype
+from mptrain.numerics.rounding_rng import RoundingStream
 
 E8M0_BIAS = 127
 E8M0_NAN_EXPONENT = 128  # the exponent that code 0xFF (NaN) would decode to: marks NaN blocks
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,7 @@ class QuantizedBlocks:
 
     fmt: BlockFormat
     dequantized: Tensor  # FP32, x's shape: what the stored block decodes to
-    local: Tensor  # FP32, x's shape: elements times block scales, without the tensor scale (exact in bf16)
+    local: Tensor  # FP32, x's shape: elements times block scales, without the tensor scale (see bf16_exact)
     elements: Tensor  # FP32 values on the element grid (NaN in NaN blocks), x's shape
     scale_exponents: Tensor | None  # MX: int32 unbiased E8M0 exponents; E8M0_NAN_EXPONENT for NaN blocks
     block_scales: Tensor | None  # NVFP4: the E4M3 block scales as FP32 values
@@ -126,7 +136,7 @@ def quantize_blocks(
     dim: int = -1,
     *,
     stochastic: bool = False,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RoundingStream | None = None,
     block_2d: bool = False,
     pad: bool = True,
     with_stats: bool = False,
@@ -138,7 +148,7 @@ def quantize_blocks(
     always rounded to nearest, as in the NVFP4 recipe. ``with_stats`` fills the counts.
     """
     fmt = block_format(fmt)
-    xf = x.float()
+    xf = work_dtype(x)  # float64 stays float64: its elements are rounded once
     bs = fmt.block_size
     if block_2d:
         if xf.dim() < 2:
@@ -151,22 +161,24 @@ def quantize_blocks(
     bad = ~torch.isfinite(amax)  # the block decodes to NaN
     if fmt.two_level:
         mags = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
-        t_amax = mags.amax() if mags.numel() else torch.zeros((), device=xf.device)
-        t_scale = torch.where(t_amax > 0, t_amax / (E4M3.max_normal * fmt.element.max_normal), 1.0)
-        s_block = round_to_element((amax / fmt.element.max_normal / t_scale).clamp(max=E4M3.max_normal), E4M3)
+        t_amax = mags.amax().float() if mags.numel() else torch.zeros((), device=xf.device)
+        t_scale, encode = nvfp4_tensor_scales(t_amax, fmt)
+        s_block = round_to_element((amax.float() / fmt.element.max_normal / t_scale).clamp(max=E4M3.max_normal), E4M3)
         s_block = torch.where(bad, math.nan, s_block)
-        recip = torch.where(s_block > 0, (1.0 / t_scale) / s_block, 0.0)  # scale 0: the block flushes to 0
+        recip = torch.where(s_block > 0, encode / s_block, 0.0)  # scale 0: the block flushes to 0
         scaled = blocks * recip.unsqueeze(-1)
         exps = None
     else:
         _, e = torch.frexp(amax)  # exact floor(log2(amax)) = e - 1, FP32 subnormals too
         floor_log2 = torch.where(amax > 0, e - 1, -126)  # all-zero block: as microxcaling, log2(FP32 min normal)
         exps = (floor_log2 - fmt.element.emax).clamp(min=-E8M0_BIAS)
+        bad = bad | (exps > E8M0_BIAS)  # a float64 block past E8M0's 2**127 (FP32 input cannot get there)
         exps = torch.where(bad, E8M0_NAN_EXPONENT, exps).to(torch.int32)
         scaled = blocks * exp2i(-exps.clamp(max=E8M0_BIAS)).unsqueeze(-1)  # exact: a power of two
         t_scale = s_block = None  # type: ignore[assignment]
     q = round_to_element(scaled, fmt.element, stochastic=stochastic, generator=generator)
     q = torch.where(bad.unsqueeze(-1), math.nan, q)
+    blocks = blocks.float()
     if s_block is not None:
         local = q * s_block.unsqueeze(-1)
         deq = q * (t_scale * s_block).unsqueeze(-1)  # torchao's order, so dequantized values agree bit for bit
@@ -192,6 +204,37 @@ def quantize_blocks(
 def fake_quantize(x: Tensor, fmt: BlockFormat | str, dim: int = -1, **kw: object) -> Tensor:
     """``quantize_blocks(x, fmt, dim, **kw).dequantized`` in x's dtype: quantize and decode."""
     return quantize_blocks(x, fmt, dim, **kw).dequantized.to(x.dtype)  # type: ignore[arg-type]
+
+
+def nvfp4_tensor_scales(t_amax: Tensor, fmt: BlockFormat) -> tuple[Tensor, Tensor]:
+    """NVFP4's per-tensor (decode) scale s_t and encode scale, from the tensor's amax (FP32, 0-dim).
+
+    s_t = amax / (448 * 6) in torchao's order; the encode scale 1 / s_t is kept finite as NVIDIA's
+    reference keeps it (TransformerEngine's compute_global_encode_scaling_factor_FP4: clamped to
+    FP32's max, 1 for an all-zero tensor): with amax below ~8e-36, 1 / s_t would be Inf, every
+    element would saturate to +-6 and zeros would become 0 * Inf = NaN. There s_t becomes the
+    clamped encode scale's reciprocal, so that decoding still inverts encoding.
+    """
+    t_scale = torch.where(t_amax > 0, t_amax / (E4M3.max_normal * fmt.element.max_normal), 1.0)
+    encode = 1.0 / t_scale
+    huge = encode > FP32_MAX
+    encode = torch.where(huge, FP32_MAX, encode)
+    return torch.where(huge, 1.0 / encode, t_scale), encode
+
+
+def bf16_exact_min_scale_exponent(fmt: BlockFormat) -> int:
+    """The smallest block-scale exponent k at which every element times 2**k is a bf16 value.
+
+    ``local`` (elements times block scales) feeds the GEMMs of ``emulated_compute=bf16`` cast to bf16.
+    bf16's smallest subnormal is 2**-133, so an element grid whose lowest bit is 2**-b stays exact
+    for k >= b - 133: MXFP8 (E4M3) for k >= -124, MXFP8 E5M2 for k >= -117; FP6 and FP4 for every
+    E8M0 scale; NVFP4's E4M3 block scales times E2M1 always. Below it, bf16 rounds the block's
+    smallest values (blocks whose amax is under about 2**-116 and 2**-102): the FP32 compute is exact.
+    """
+    if fmt.two_level:
+        return -E8M0_BIAS  # local = e2m1 * e4m3 block scale: >= 2**-10, at most 6 significant bits
+    lowest = int(math.log2(fmt.element.min_subnormal))
+    return max(-E8M0_BIAS, -133 - lowest)
 
 
 def _padding(n: int, bs: int, pad: bool, what: str) -> int:
@@ -262,10 +305,22 @@ def random_hadamard(x: Tensor, dim: int, signs: Tensor) -> Tensor:
     (A T)(B T)^T = A B^T for T = blockdiag(H S). The length along ``dim`` must be a multiple of 16
     (the layers pad with zeros first, and keep the padding through the GEMM).
     """
-    n = signs.numel()
+    return rotate(x, dim, hadamard_rotation(tuple(int(v) for v in signs.tolist()), x.device, x.dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def hadamard_rotation(signs: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
+    """H * diag(signs) on ``device``, built once per (signs, device, dtype): rebuilding it on the
+    host and copying it over on every call cost a blocking host-to-device copy per GEMM operand."""
+    n = len(signs)
+    return hadamard_matrix(n).to(device=device, dtype=dtype) * torch.tensor(signs, device=device, dtype=dtype)
+
+
+def rotate(x: Tensor, dim: int, m: Tensor) -> Tensor:
+    """Every block of m.shape[0] along ``dim`` times the rotation ``m`` (``random_hadamard``'s product)."""
+    n = m.shape[0]
     if x.shape[dim] % n:
         raise ValueError(f"random_hadamard: length {x.shape[dim]} along dim {dim} is not a multiple of {n}")
-    m = hadamard_matrix(n).to(device=x.device, dtype=x.dtype) * signs.to(x.device, x.dtype)
     moved = x.movedim(dim, -1)
     out = (moved.reshape(*moved.shape[:-1], -1, n) @ m).reshape(moved.shape)
     return out.movedim(-1, dim)

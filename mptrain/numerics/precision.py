@@ -29,14 +29,15 @@ from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
 from mptrain.hardware import DeviceCapability, device_capability, emulation_slowdown
-from mptrain.numerics.rounding_rng import rounding_generator
+from mptrain.numerics import fused
+from mptrain.numerics.rounding_rng import RoundingStream, rounding_generator
 
 log = logging.getLogger(__name__)
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 
 
-def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | RoundingStream | None = None) -> Tensor:
     """Round FP32 ``x`` to bf16, up or down with probability given by the distance (unbiased).
 
     bf16 is the top 16 bits of FP32, so adding a uniform random 16-bit integer to the bit
@@ -45,7 +46,10 @@ def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None
     bits = x.float().contiguous().view(torch.int32)
     if generator is None:  # the run's own rounding stream, not the global one (issue 18)
         generator = rounding_generator(x.device)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
+    if isinstance(generator, RoundingStream):
+        noise = generator.bits16(bits.shape)
+    else:
+        noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
     rounded = (bits + noise) & -65536  # clear the low 16 bits (0xFFFF0000 as int32)
     out = rounded.view(torch.float32)
     # Inf/NaN must not be perturbed into other bit patterns.
@@ -68,6 +72,7 @@ class MasterWeights:
         self._by_id = {id(p): m for p, m in zip(self.model_params, self.masters, strict=True)}
         self.stochastic_rounding = stochastic_rounding
         self.refresh = refresh
+        self._grad_bufs: list[Tensor] | None = None
 
     def swap(self, p: nn.Parameter) -> nn.Parameter:
         """The tensor the optimizer should own in place of model parameter p."""
@@ -75,23 +80,29 @@ class MasterWeights:
 
     @torch.no_grad()
     def before_unscale(self) -> None:
-        for p, m in zip(self.model_params, self.masters, strict=True):
-            if self.refresh:
-                m.copy_(p)
-            m.grad = None if p.grad is None else p.grad.float()
+        """Gradients into the FP32 masters: one multi-tensor copy into buffers kept across steps (the
+        optimizer's zero_grad drops the masters' .grad, not the buffers), not a cast per parameter."""
+        if self.refresh:
+            torch._foreach_copy_(self.masters, self.model_params)
+        have = [i for i, p in enumerate(self.model_params) if p.grad is not None]
+        if self._grad_bufs is None:
+            self._grad_bufs = [torch.empty_like(m) for m in self.masters]
+        if have:
+            torch._foreach_copy_([self._grad_bufs[i] for i in have], [self.model_params[i].grad for i in have])
+        for i, (p, m) in enumerate(zip(self.model_params, self.masters, strict=True)):
+            m.grad = self._grad_bufs[i] if p.grad is not None else None
             p.grad = None
 
     @torch.no_grad()
     def after_step(self) -> None:
-        for p, m in zip(self.model_params, self.masters, strict=True):
-            if self.stochastic_rounding and p.dtype == torch.bfloat16:
-                p.copy_(stochastic_round_to_bf16(m))
-            elif self.stochastic_rounding and p.dtype == torch.float16:
-                from mptrain.numerics.fp8 import stochastic_round
-
-                p.copy_(stochastic_round(m, torch.float16))
-            else:
-                p.copy_(m)
+        """Masters back into the model's storage dtype: one multi-tensor copy (round to nearest), or
+        one fused kernel for stochastic rounding (one draw per parameter, as the reference loop)."""
+        if not self.model_params:
+            return
+        if self.stochastic_rounding:
+            fused.write_back_(self.model_params, self.masters, rounding_generator(self.masters[0].device))
+        else:
+            torch._foreach_copy_(self.model_params, self.masters)
 
     def state_dict(self) -> dict[str, Any]:
         return {"masters": [m.detach() for m in self.masters]}

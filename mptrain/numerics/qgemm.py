@@ -22,9 +22,17 @@ block; otherwise each tap's channels are zero-padded to a block, as channels-las
 C_in. dgrad likewise blocks along C_out. wgrad contracts over (batch, output pixel), so it does
 unfold the input (im2col) and blocks both operands along that dim.
 
-The products are computed in ``compute_dtype`` on ``local`` values (elements times block scales:
-exact in bf16 for every format here) and multiplied by the operands' per-tensor scales afterwards,
-as the hardware applies them (NVFP4's global scales; MX and row-wise FP8 have none).
+The products are computed in ``compute_dtype`` on ``local`` values (elements times block scales) and
+multiplied by the operands' per-tensor scales afterwards, as the hardware applies them (NVFP4's
+global scales; MX and row-wise FP8 have none). ``local`` is exact in FP32 always, and in bf16 for
+every block whose scale is at least 2**``mx.bf16_exact_min_scale_exponent(fmt)``: always for FP6,
+FP4 and NVFP4, from 2**-124 for MXFP8 and 2**-117 for MXFP8 E5M2 (below that, bf16 rounds the
+smallest values of blocks whose amax is under ~2**-116 / 2**-102). The GEMMs compute in
+``compute_dtype`` whatever autocast region they run in, forward and backward: autocast is off
+inside them.
+
+Every quantizer runs fused (``mptrain.numerics.fused``: compiled, bit-identical to the eager
+reference); stochastic rounding draws from counter-based streams (``RngStreams``).
 
 Written by hand: torchao's mx_formats quantizers (the tests' reference) take contiguous tensors
 blocked along the last dim, lengths divisible by the block, and its MX/NVFP4 training covers
@@ -41,8 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mptrain.numerics.formats import ElementFormat, exp2i, round_to_element
-from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, quantize_blocks, random_hadamard, random_signs
+from mptrain.numerics import fused
+from mptrain.numerics.formats import ElementFormat, exp2i, round_to_element, work_dtype
+from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, hadamard_rotation, random_signs, rotate
+from mptrain.numerics.rounding_rng import RoundingStream
 
 
 class Quantizer(Protocol):
@@ -53,26 +63,28 @@ class Quantizer(Protocol):
 
 
 class RngStreams:
-    """One torch.Generator per device, seeded deterministically: stochastic rounding and Hadamard
-    signs draw from these, never from the global RNG (which decides a run's data and dropout)."""
+    """One counter-based stream per device (``rounding_rng.RoundingStream``), seeded deterministically:
+    stochastic rounding draws from these, never from the global RNG (which decides a run's data and
+    dropout), and compiled and eager quantizers draw the same numbers from them."""
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._gens: dict[torch.device, torch.Generator] = {}
+        self._streams: dict[torch.device, RoundingStream] = {}
 
-    def get(self, device: torch.device) -> torch.Generator:
-        gen = self._gens.get(device)
-        if gen is None:
-            gen = self._gens[device] = torch.Generator(device).manual_seed(self.seed)
-        return gen
+    def get(self, device: torch.device) -> RoundingStream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = RoundingStream(self.seed, device)
+        return stream
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """Each device's generator state: a resumed run rounds as the uninterrupted one would."""
-        return {str(d): g.get_state() for d, g in self._gens.items()}
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """Each device's draw count: a resumed run rounds as the uninterrupted one would."""
+        return {str(d): s.state_dict() for d, s in self._streams.items()}
 
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         for d, s in state.items():
-            self.get(torch.device(d)).set_state(s)
+            if isinstance(s, dict):  # before the counter-based streams: a torch.Generator state, not resumable
+                self.get(torch.device(d)).load_state_dict(s)
 
 
 @dataclass
@@ -85,11 +97,10 @@ class BlockQuantizer:
 
     def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]:
         sr = self.stochastic_grads and role == "grad"
-        q = quantize_blocks(
+        return fused.quantize_blocks(
             x, self.fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None,
             block_2d=role == "weight_2d",
         )  # fmt: skip
-        return q.local, q.tensor_scale
 
 
 @dataclass
@@ -107,18 +118,20 @@ class AxiswiseQuantizer:
     def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]:
         fmt = self.backward if role == "grad" else self.forward
         sr = self.stochastic_grads and role == "grad"
-        return axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
+        return fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
 
 
 def axiswise_round(
-    x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False, generator: torch.Generator | None = None
+    x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False,
+    generator: torch.Generator | RoundingStream | None = None,
 ) -> Tensor:
     """Round x to ``fmt`` with a power-of-two scale per vector along ``dim``; returns FP32 values.
 
     scale = 2**floor(log2(max / amax)) (1 for an all-zero or non-finite vector), so amax * scale
-    <= max: nothing saturates, and scaling is exact. Non-finite values pass through.
+    <= max: nothing saturates, and scaling is exact. Non-finite values pass through. The eager
+    reference of ``fused.axiswise_round``.
     """
-    xf = x.float()
+    xf = work_dtype(x)
     amax = xf.abs().amax(dim, keepdim=True)
     ok = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(ok, amax, 1.0)
@@ -127,7 +140,7 @@ def axiswise_round(
     k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)  # settle the division's rounding exactly
     k = torch.where(ok, k, 0)
     q = round_to_element(xf * exp2i(k), fmt, stochastic=stochastic, generator=generator) * exp2i(-k)
-    return torch.where(torch.isfinite(xf), q, xf)
+    return torch.where(torch.isfinite(xf), q, xf).float()
 
 
 @dataclass
@@ -140,10 +153,24 @@ class GemmRecipe:
     hadamard_signs: Tensor | None = None  # 16 random +-1 signs: RHT on both wgrad operands
     weight_2d: bool = False  # the weight's forward quantization serves dgrad as well (2D tiles)
 
+    def __post_init__(self) -> None:
+        # the signs as host values, read once: the rotation is then cached per device and dtype
+        signs = self.hadamard_signs
+        self._signs = None if signs is None else tuple(int(v) for v in signs.tolist())
+
+    def rotation(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        return hadamard_rotation(self._signs, device, dtype)  # type: ignore[arg-type]
+
     @staticmethod
     def signs(seed: int) -> Tensor:
         """The Hadamard sign vector for ``seed`` (CPU; moved to each operand's device)."""
         return random_signs(torch.Generator().manual_seed(seed), HADAMARD_SIZE)
+
+
+def no_autocast(x: Tensor) -> torch.autocast:
+    """Autocast off for an emulated GEMM: ``precision.emulated_compute`` decides what it computes in,
+    not an autocast region around the model (which would cast its operands to bf16/FP16)."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 def _scale(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
@@ -160,8 +187,8 @@ def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor) -> tuple[Tensor, T
         extra = -g.shape[1] % HADAMARD_SIZE
         if extra:
             g, x = F.pad(g, (0, extra)), F.pad(x, (0, extra))
-        g = random_hadamard(g, 1, recipe.hadamard_signs)
-        x = random_hadamard(x, 1, recipe.hadamard_signs)
+        g = rotate(g, 1, recipe.rotation(g.device, g.dtype))
+        x = rotate(x, 1, recipe.rotation(x.device, x.dtype))
     gl, gs = recipe.quantizer(g, 1, "grad")
     xl, xs = recipe.quantizer(x, 1, "input")
     return gl, gs, xl, xs
@@ -172,6 +199,11 @@ class QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> Tensor:  # type: ignore[override]
+        with no_autocast(x):
+            return QuantLinearFn._forward(ctx, x, weight, bias, recipe)
+
+    @staticmethod
+    def _forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> Tensor:
         cd = recipe.compute_dtype
         # Quantized in x's own shape (blocks along its last dim), so that the output is no view:
         # the next layer may modify it in place (AlexNet's and VGG's ReLU(inplace=True)).
@@ -188,6 +220,11 @@ class QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        with no_autocast(dy):
+            return QuantLinearFn._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         recipe: GemmRecipe = ctx.recipe
         cd = recipe.compute_dtype
         x, w = ctx.saved_tensors
@@ -214,6 +251,14 @@ class QuantConv2dFn(torch.autograd.Function):
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe,
         stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
     ) -> Tensor:
+        with no_autocast(x):
+            return QuantConv2dFn._forward(ctx, x, weight, bias, recipe, stride, padding, dilation)
+
+    @staticmethod
+    def _forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe,
+        stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+    ) -> Tensor:
         cd = recipe.compute_dtype
         xl, xs = recipe.quantizer(x, 1, "input")  # per pixel, along C_in
         wl, ws = _conv_weight(recipe, weight, "fprop")
@@ -227,6 +272,11 @@ class QuantConv2dFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        with no_autocast(dy):
+            return QuantConv2dFn._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         recipe: GemmRecipe = ctx.recipe
         cd = recipe.compute_dtype
         stride, padding, dilation = ctx.conv
