@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.numerics import rounding_rng
+from mptrain.numerics import fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
 from mptrain.numerics.precision import MasterWeights, Precision, build_precision
@@ -140,11 +140,14 @@ class Engine:
             # Autotuning picks the fastest kernel per shape, which may differ between runs.
             torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
+        self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
         self.policy = resolve_policy(cfg.loss_scale.name, self.precision.resolved, self.precision.fp8)
         if self.precision.note:
             log.info("precision: %s", self.precision.note)
+        if self.precision.emulated:
+            log.info("quantizers: %s", fused.status(self.device))
 
         image_size = None
         if cfg.model.get("task", "classification") in ("classification", "gan"):
@@ -303,6 +306,7 @@ class Engine:
         windows: list[float] = []
         buffer: list[tuple[int, list[Tensor]]] = []
         t0, samples, window_steps = time.perf_counter(), 0, 0
+        c0 = fused.compile_seconds()  # torch.compile's time inside a window is not training time
         # Host time spent in next(batches), per window: two perf_counter calls per step, no device sync.
         wait, self.data_wait_windows, warned = 0.0, [], False
         skipped_logged = float(self.skipped)
@@ -336,7 +340,8 @@ class Engine:
                 if log_step:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
-                    elapsed = time.perf_counter() - t0
+                    compiling = fused.compile_seconds() - c0
+                    elapsed = max(time.perf_counter() - t0 - compiling, 1e-9)
                     rate = samples * self.dist.world_size / elapsed  # global throughput
                     windows.append(rate)
                     self.data_wait_windows.append((wait / window_steps, wait / elapsed))
@@ -344,7 +349,7 @@ class Engine:
                     warned = warned or self._warn_data_wait(len(windows))
                     buffer.clear()
                     t0, samples, window_steps = time.perf_counter(), 0, 0
-                    wait = 0.0
+                    c0, wait = fused.compile_seconds(), 0.0
                 evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
@@ -356,7 +361,7 @@ class Engine:
                 if evaluate or checkpoint_now:
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
-                    wait = 0.0
+                    c0, wait = fused.compile_seconds(), 0.0
                 if self._stop_requested(log_step):
                     self.throughput_windows = windows
                     if not checkpoint_now:
@@ -588,6 +593,9 @@ class Engine:
             "skipped_steps": int(float(self.skipped)),
             "final_loss_scale": float(first.scaler.scale_value),
             "wall_time_s": wall,
+            # torch.compile's time in this run (fused quantizers, trainer.compile), kept out of throughput
+            "compile_time_s": round(fused.compile_seconds() - self.compile_start, 3),
+            "quantizers": fused.status(self.device) if self.precision.emulated else None,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "precision_plan": self.plan.to_dict() if self.plan is not None else None,

@@ -20,7 +20,7 @@ from mptrain.models import list_models
 SUMMARY_KEYS = {
     "status", "model", "data", "precision", "precision_resolved", "loss_scale", "device", "world_size",
     "steps", "final_loss", "metrics", "throughput", "peak_memory_bytes", "skipped_steps", "device_capability",
-    "final_loss_scale", "wall_time_s", "versions",
+    "final_loss_scale", "wall_time_s", "versions", "compile_time_s",
 }
 
 
@@ -39,6 +39,21 @@ def test_every_model_trains_in_every_basic_precision(tmp_path, model, precision)
     assert 0 <= s["metrics"]["top1"] <= 100 and s["metrics"]["top5"] >= s["metrics"]["top1"]
     # amp_fp16 is paired with dynamic scaling by loss_scale=auto; the others need none.
     assert s["loss_scale"] == ("dynamic" if precision == "amp_fp16" else "none")
+
+
+def test_compile_time_stays_out_of_throughput(tmp_path, monkeypatch):
+    """A window's torch.compile time is not training time: were every second of it compiling,
+    the rate would be far above the window's samples over its wall time."""
+    import time
+
+    from mptrain.numerics import fused
+
+    base = tiny("resnet50", "trainer.max_steps=4", "trainer.log_every=2", "trainer.warmup_windows=0")
+    honest = run_job(tmp_path / "honest", *base)
+    monkeypatch.setattr(fused, "compile_seconds", time.perf_counter)  # as if the whole run compiled
+    compiling = run_job(tmp_path / "compiling", *base)
+    assert compiling["throughput"] > 100 * honest["throughput"]
+    assert compiling["compile_time_s"] > 0 and honest["compile_time_s"] == 0
 
 
 def test_summary_contract_and_tensorboard_tags(tmp_path):

@@ -482,3 +482,16 @@ def test_axiswise_scales_are_powers_of_two_that_fit() -> None:
         scaled = row.double() * 2.0**k
         assert scaled.abs().max() <= E4M3.max_normal < scaled.abs().max() * 2
         assert torch.equal(qrow, (nearest_even_reference(scaled.float(), E4M3).double() / 2.0**k).float())
+
+
+def test_axiswise_scales_up_rows_of_tiny_values() -> None:
+    """A row whose amax is ~1e-38 or an FP32 subnormal gets the largest scale, 2**126, not a
+    scale from an overflowed max / amax (which flushed such a row to zero)."""
+    from mptrain.numerics.qgemm import axiswise_round
+
+    x = torch.tensor([[1e-38, -3e-39, 5e-40], [2.0**-130, 2.0**-131, 0.0]])
+    q = axiswise_round(x, E4M3, 1)
+    for row, qrow in zip(x, q, strict=True):
+        scaled = row.double() * 2.0**126  # max / amax > 2**126 here: the clamp decides
+        assert torch.equal(qrow, (nearest_even_reference(scaled.float(), E4M3).double() / 2.0**126).float())
+    assert (q[0] != 0).all() and q[1, 0] != 0

@@ -131,6 +131,11 @@ class Precision:
     capability: DeviceCapability | None = None  # what the device computes natively (build_precision sets it)
 
     @property
+    def emulated(self) -> bool:
+        """Whether GEMM operands are quantized by emulation (FP8 emulated, MX, NVFP4)."""
+        return self.fp8 == "emulated" or self.mx is not None
+
+    @property
     def half_dtype(self) -> torch.dtype | None:
         """The low-precision type gradients live in, for telemetry and underflow checks."""
         if self.autocast_dtype is not None:

@@ -42,6 +42,7 @@ plain tensors on any device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -135,9 +136,12 @@ def axiswise_round(
     amax = xf.abs().amax(dim, keepdim=True)
     ok = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(ok, amax, 1.0)
-    _, e = torch.frexp(fmt.max_normal / safe)  # exact floor(log2(max / amax)) up to the rounding of one division
-    k = (e - 1).clamp(-126, 126)
-    k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)  # settle the division's rounding exactly
+    # floor(log2 max) - floor(log2 amax), then settled exactly by power-of-two products. (From
+    # frexp(max / amax) instead, the division overflows for a row of amax below ~1e-36, as tiny
+    # gradients can have, and such a row was flushed to zero instead of scaled up.)
+    k = (math.frexp(fmt.max_normal)[1] - torch.frexp(safe)[1]).clamp(-126, 126)
+    k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)
+    k = torch.where(safe * exp2i(k + 1) <= fmt.max_normal, k + 1, k).clamp(-126, 126)
     k = torch.where(ok, k, 0)
     q = round_to_element(xf * exp2i(k), fmt, stochastic=stochastic, generator=generator) * exp2i(-k)
     return torch.where(torch.isfinite(xf), q, xf).float()

@@ -115,6 +115,16 @@ class RoundingStream:
         self.counter.fill_(int(state["draws"]))
 
 
+def global_stream(device: torch.device | str) -> RoundingStream:
+    """A one-draw stream keyed by the global RNG: stochastic rounding outside a run (nothing seeded)
+    still draws its randomness from the global RNG, as it always did, through the counter hash."""
+    stream = RoundingStream.__new__(RoundingStream)
+    stream.seed, stream.device = -1, torch.device(device)
+    stream.keys = torch.randint(-(2**31), 2**31 - 1, (2,), dtype=torch.int32, device=stream.device)
+    stream.counter = torch.zeros((), dtype=torch.int32, device=stream.device)
+    return stream
+
+
 def index_grid(shape: tuple[int, ...] | torch.Size, device: torch.device | str) -> Tensor:
     """Row-major element indices (int32) of a tensor of ``shape``: the counter within one draw."""
     n = 1

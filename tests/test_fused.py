@@ -1,0 +1,324 @@
+"""The fused quantizers (mptrain.numerics.fused) equal the eager reference bit for bit.
+
+Every format, rounding mode (to nearest; stochastic from the run's counter stream and from the
+global RNG) and layout (blocks along each dim, transposed views, padded lengths, 2D tiles,
+the Hadamard transform of the weight-gradient GEMM), on random and adversarial tensors: zeros, NaN,
+Inf, FP32 subnormals, tensors whose amax is huge or tiny. NaN payloads may differ; NaN-ness may not.
+The reference is the same call under ``fused.reference()``. (With a ``torch.Generator`` the fused
+entry points run the reference itself: its draws cannot enter a compiled kernel.)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from mptrain.numerics import formats as nf
+from mptrain.numerics import fused
+from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
+from mptrain.numerics.qgemm import AxiswiseQuantizer, BlockQuantizer, GemmRecipe, QuantLinearFn, RngStreams
+from mptrain.numerics.rounding_rng import RoundingStream
+
+
+@pytest.fixture(autouse=True)
+def _fused_on() -> Any:
+    with fused.forced(True):
+        if not fused.enabled(torch.zeros(1)):
+            pytest.skip("torch.compile cannot build kernels here")
+        yield
+
+ELEMENTS = [nf.E4M3, nf.E5M2, nf.E3M2, nf.E2M3, nf.E2M1, nf.FP16, nf.BF16]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (so +0 and -0 differ), except that any NaN equals any NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    ia = a.float().view(torch.int32)
+    ib = b.float().view(torch.int32)
+    return torch.equal(ia[~nan_a], ib[~nan_b])
+
+
+def adversarial(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Rows 32 binades apart, wide spread inside blocks, and rows of special values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randn(rows, cols, generator=g) * 4)
+    x *= torch.exp2(torch.randint(-40, 40, (rows, 1), generator=g).float())
+    x[0] = 0.0  # an all-zero row
+    x[1, ::3] = math.nan
+    x[2, ::5] = math.inf
+    x[2, 1::5] = -math.inf
+    x[3] = torch.randn(cols, generator=g) * 2.0**-140  # FP32 subnormals
+    x[4] = torch.randn(cols, generator=g) * 1e38  # huge amax
+    x[5] = torch.randn(cols, generator=g) * 1e-37  # tiny amax
+    x[6, :: 2] = -0.0
+    return x
+
+
+def both(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``fn`` fused, then under the reference."""
+    got = fn()
+    with fused.reference():
+        want = fn()
+    return got, want
+
+
+def assert_same(got: Any, want: Any) -> None:
+    if isinstance(got, tuple):
+        for g, w in zip(got, want, strict=True):
+            assert_same(g, w)
+    elif got is None:
+        assert want is None
+    else:
+        assert bits_equal(got, want), f"fused differs from the reference in {int((got != want).sum())} values"
+
+
+def stream_pair(seed: int = 3) -> tuple[RoundingStream, RoundingStream]:
+    return RoundingStream(seed), RoundingStream(seed)
+
+
+# --------------------------------------------------------------------------------------------
+# element rounding
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS, ids=lambda f: f.name)
+def test_element_rounding_to_nearest(fmt: nf.ElementFormat) -> None:
+    x = adversarial(64, 96, seed=1) * 2.0 ** (fmt.emax - 8)  # centred on the format's range
+    assert_same(*both(lambda: fused.round_to_element(x, fmt)))
+    if fmt.has_inf or fmt.has_nan:
+        assert_same(*both(lambda: fused.round_to_element(x, fmt, saturate=False)))
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS, ids=lambda f: f.name)
+def test_element_stochastic_rounding_draws_the_same_numbers(fmt: nf.ElementFormat) -> None:
+    x = adversarial(64, 96, seed=2) * 2.0 ** (fmt.emax - 8)
+    a, b = stream_pair()
+    got = fused.round_to_element(x, fmt, stochastic=True, generator=a)
+    with fused.reference():
+        want = nf.round_to_element(x, fmt, stochastic=True, generator=b)
+    assert_same(got, want)
+    a, b = stream_pair(seed=4)
+    got = fused.round_to_element(x.t(), fmt, stochastic=True, generator=a)  # a transposed view
+    assert_same(got, nf.round_to_element(x.t(), fmt, stochastic=True, generator=b))
+    torch.manual_seed(5)  # no generator: a stream keyed by the global RNG, drawn alike
+    got = fused.round_to_element(x, fmt, stochastic=True, saturate=not (fmt.has_inf or fmt.has_nan))
+    torch.manual_seed(5)
+    with fused.reference():
+        want = fused.round_to_element(x, fmt, stochastic=True, saturate=not (fmt.has_inf or fmt.has_nan))
+    assert_same(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# blocks
+
+
+def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
+    x = adversarial(64, 96, seed=5)
+    odd = adversarial(40, 24, seed=6)  # 40 and 24: not multiples of 16 or 32 along either dim
+    x4 = adversarial(8, 64 * 9, seed=7).view(8, 64, 3, 3)
+    return [
+        ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
+        ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
+        ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
+def test_blocks_to_nearest_in_every_layout(fmt: BlockFormat) -> None:
+    for name, x, dim in block_cases(fmt):
+        got, want = both(lambda x=x, dim=dim: fused.quantize_blocks(x, fmt, dim))
+        assert_same(got, want), name
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
+def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
+    for name, x, dim in block_cases(fmt):
+        a, b = stream_pair(seed=len(name))
+        got = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=a)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=b)
+        assert_same(got, want), name
+        assert int(a.counter) == int(b.counter) == 1  # one draw each
+
+
+@pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
+def test_2d_tiles(fmt: BlockFormat) -> None:
+    w = adversarial(48, 40, seed=10)  # 3 x 3 tiles of 16, or 2 x 2 of 32, padded
+    w4 = adversarial(24, 40, seed=11).view(24, 40, 1, 1).permute(2, 3, 0, 1)  # a conv weight's (kh, kw, out, in) view
+    for x in (w, w4):
+        assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, block_2d=True)))
+        a, b = stream_pair()
+        got = fused.quantize_blocks(x, fmt, stochastic=True, generator=a, block_2d=True)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, stochastic=True, generator=b, block_2d=True)
+        assert_same(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8: per-tensor and row-wise scales
+
+
+@pytest.mark.parametrize("fmt", [nf.E4M3, nf.E5M2], ids=lambda f: f.name)
+def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
+    x = adversarial(64, 96, seed=12)
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    for t in (x, finite, finite * 1e-30, torch.zeros(8, 8)):
+        assert_same(*both(lambda t=t: fused.quantize_scaled(t, fmt)))
+        a, b = stream_pair()
+        got = fused.quantize_scaled(t, fmt, stochastic=True, generator=a)
+        with fused.reference():
+            want = fused.quantize_scaled(t, fmt, stochastic=True, generator=b)
+        assert_same(got, want)
+        for dim, view in ((1, t), (0, t), (1, t.t())):
+            assert_same(*both(lambda dim=dim, view=view: fused.axiswise_round(view, fmt, dim)))
+            a, b = stream_pair()
+            got = fused.axiswise_round(view, fmt, dim, stochastic=True, generator=a)
+            with fused.reference():
+                want = fused.axiswise_round(view, fmt, dim, stochastic=True, generator=b)
+            assert_same(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# master weights
+
+
+def test_fp16_master_rounding_of_a_parameter_list() -> None:
+    g = torch.Generator().manual_seed(13)
+    params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 5, (), generator=g).item()
+              for s in ((64, 32), (32,), (3, 5, 7))]  # fmt: skip
+    params[0][0, :4] = torch.tensor([math.nan, math.inf, 1e6, 2.0**-30])
+    for stochastic in (False, True):
+        a, b = stream_pair()
+        got = [p.clone() for p in params]
+        fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a)
+        want = [p.clone() for p in params]
+        with fused.reference():
+            fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
+        for x, y in zip(got, want, strict=True):
+            assert_same(x, y)
+
+
+def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:
+    g = torch.Generator().manual_seed(14)
+    masters = [torch.randn(64, 33, generator=g), torch.randn(17, generator=g) * 1e-6, torch.randn(5, 5, generator=g)]
+    masters[0][0, :3] = torch.tensor([math.nan, -math.inf, 3e38])
+    dtypes = [torch.bfloat16, torch.float16, torch.bfloat16]
+    a, b = stream_pair()
+    got = [torch.empty(m.shape, dtype=d) for m, d in zip(masters, dtypes, strict=True)]
+    fused.write_back_(got, masters, a)
+    want = [torch.empty(m.shape, dtype=d) for m, d in zip(masters, dtypes, strict=True)]
+    with fused.reference():
+        fused.write_back_(want, masters, b)
+    for x, y in zip(got, want, strict=True):
+        assert_same(x.float(), y.float())
+
+
+# --------------------------------------------------------------------------------------------
+# whole GEMMs: forward, dgrad and wgrad (the Hadamard transform, 2D tiles, stochastic gradients)
+
+
+def linear_step(recipe_of: Callable[[], GemmRecipe]) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(37, 48, generator=g).requires_grad_()  # 37 tokens: padded for the Hadamard transform
+    w = (torch.randn(40, 48, generator=g) * 0.1).requires_grad_()
+    b = torch.randn(40, generator=g).requires_grad_()
+    y = QuantLinearFn.apply(x, w, b, recipe_of())
+    y.backward(torch.randn(37, 40, generator=g))
+    return y, x.grad, w.grad, b.grad  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
+def test_quantized_linear_with_the_full_recipe(name: str) -> None:
+    def recipe() -> GemmRecipe:
+        q = BlockQuantizer(BLOCK_FORMATS[name], stochastic_grads=True, rng=RngStreams(5))
+        return GemmRecipe(quantizer=q, hadamard_signs=GemmRecipe.signs(7), weight_2d=name == "nvfp4")
+
+    assert_same(*both(lambda: linear_step(recipe)))
+
+
+def test_rowwise_fp8_linear() -> None:
+    def recipe() -> GemmRecipe:
+        return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2, True, RngStreams(2)))
+
+    assert_same(*both(lambda: linear_step(recipe)))
+
+
+def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training path runs compiled kernels (it does not quietly fall back to the reference)."""
+    monkeypatch.setattr(fused, "_kernels", {})
+    fused.quantize_blocks(torch.randn(3, 64), BLOCK_FORMATS["mxfp6_e3m2"], -1)
+    assert [k.split("_")[0] for k in fused._kernels] == ["blocks"]  # MX formats share one block kernel
+    assert not fused._given_up
+
+
+def test_a_converted_model_trains_identically() -> None:
+    """Two steps of an MLP in each emulated mode, fused and reference: the same weights, bit for
+    bit (every quantizer, every draw of the rounding streams, the FP16 master rounding)."""
+    from omegaconf import OmegaConf
+
+    from mptrain.config import FP8PrecisionConfig, MXPrecisionConfig
+    from mptrain.numerics import rounding_rng
+    from mptrain.numerics.precision import build_precision
+
+    def train(cfg: Any) -> list[torch.Tensor]:
+        rounding_rng.seed_rounding(0)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 10))
+        precision = build_precision(OmegaConf.structured(cfg), torch.device("cpu"))
+        model = precision.prepare_model(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            precision.after_step()
+        rounding_rng.seed_rounding(None)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for cfg in (FP8PrecisionConfig(name="fp8", format="hybrid"), FP8PrecisionConfig(name="fp8", scaling="tensor"),
+                MXPrecisionConfig(name="mx", format="nvfp4"), MXPrecisionConfig(name="mx", format="mxfp6")):
+        got, want = both(lambda cfg=cfg: train(cfg))
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# through the engine
+
+
+def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transformer LM in NVFP4 (its whole recipe) and FP8 hybrid (stochastic rounding, FP16
+    masters, enhanced loss scaling), run fused and on the reference: the same loss at every step,
+    and the same final weights. The fused run says so, and reports its compile time apart."""
+    from conftest import run_job
+    from test_engine import scalars
+    from test_transformer import TINY_TF
+
+    from mptrain import checkpoint
+
+    monkeypatch.setattr(fused, "_kernels", {})  # a fresh process would compile: so does this one
+    for mode in (["precision=mx", "precision.format=nvfp4"], ["precision=fp8", "precision.format=hybrid"]):
+        name = mode[-1].split("=")[1]
+        common = [*TINY_TF, *mode, "trainer.max_steps=4", "trainer.log_every=1", "trainer.precision_plan=false"]
+        fast = run_job(tmp_path / f"{name}-fused", *common)
+        with fused.reference():
+            ref = run_job(tmp_path / f"{name}-ref", *common)
+        assert fast["quantizers"] == "fused" and ref["quantizers"] == "reference (MPTRAIN_FUSED=0)"
+        assert fast["compile_time_s"] > 0 and ref["compile_time_s"] == 0
+        assert scalars(tmp_path / f"{name}-fused")["train/loss"] == scalars(tmp_path / f"{name}-ref")["train/loss"]
+        a = checkpoint.load(checkpoint.list_checkpoints(tmp_path / f"{name}-fused")[-1])["modules"]
+        b = checkpoint.load(checkpoint.list_checkpoints(tmp_path / f"{name}-ref")[-1])["modules"]
+        for net in a:
+            for key in a[net]:
+                assert_same(a[net][key].float(), b[net][key].float())
