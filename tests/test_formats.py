@@ -259,3 +259,17 @@ def test_stochastic_rounding_uses_only_its_generator() -> None:
     assert torch.equal(a, b) and not torch.equal(a, c)
     with pytest.raises(ValueError, match="Generator"):
         round_to_element(x, fmt, stochastic=True)
+
+
+def test_float64_is_rounded_once() -> None:
+    """Just above a tie in float64 rounds up; rounded to FP32 first it would be the tie itself and
+    go to the even neighbour (below). E2M1: 1.25 + 2**-30 -> 1.5; E4M3 (a torch cast format, which
+    torch casts through FP32): 1.0625 + 2**-40 -> 1.125, through fp8.quantize as well."""
+    from mptrain.numerics.fp8 import E4M3 as FP8_E4M3
+    from mptrain.numerics.fp8 import quantize
+
+    e2m1, e4m3 = ELEMENT_FORMATS["e2m1"], ELEMENT_FORMATS["e4m3"]
+    assert round_to_element(torch.tensor([1.25 + 2.0**-30], dtype=torch.float64), e2m1).item() == 1.5
+    x = torch.tensor([1.0625 + 2.0**-40], dtype=torch.float64)
+    assert round_to_element(x, e4m3).item() == 1.125
+    assert quantize(x, FP8_E4M3).item() == 1.125 and quantize(x.float(), FP8_E4M3).item() == 1.0

@@ -495,3 +495,74 @@ def test_axiswise_scales_up_rows_of_tiny_values() -> None:
         scaled = row.double() * 2.0**126  # max / amax > 2**126 here: the clamp decides
         assert torch.equal(qrow, (nearest_even_reference(scaled.float(), E4M3).double() / 2.0**126).float())
     assert (q[0] != 0).all() and q[1, 0] != 0
+
+
+# --------------------------------------------------------------------------------------------
+# defects found by the independent check (issue 24): each test fails on the code before its fix
+
+
+@pytest.mark.parametrize("scale", [1e-36, 1e-40, 1e-44])
+def test_nvfp4_survives_a_tensor_of_tiny_amax(scale: float) -> None:
+    """Below amax ~8e-36 the FP32 encode scale 1 / s_t overflowed: every element went to +-6 and
+    zeros to NaN. With the encode scales clamped to FP32's max (NVIDIA's reference), zeros stay zero
+    and nothing grows; values still held by FP32 come back close; the tinier ones flush to zero,
+    as in NVIDIA's reference, rather than explode."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=g) * scale
+    x[:, ::4] = 0.0
+    q = quantize_blocks(x, NVFP4).dequantized
+    assert not torch.isnan(q).any()
+    assert (q[x == 0] == 0).all()
+    assert (q.abs() <= x.abs().amax() * 1.125).all()
+    if scale >= 1e-36:  # the block maxima: an E4M3 scale (3 mantissa bits) times 6, within 1/16
+        blocks, top = x.view(-1, 16), x.view(-1, 16).abs().argmax(-1, keepdim=True)
+        assert torch.allclose(q.view(-1, 16).gather(1, top), blocks.gather(1, top), rtol=1 / 16, atol=0)
+
+
+def test_float64_is_rounded_once() -> None:
+    """1.25 + 2**-30 rounds up to 1.5 in FP4 (E2M1); rounded to FP32 first it is the tie 1.25,
+    which goes to the even 1.0. The same value inside a block, with scale 1."""
+    x = torch.tensor([1.25 + 2.0**-30, 6.0], dtype=torch.float64)
+    assert quantize_blocks(x.repeat(16), "mxfp4").dequantized[0].item() == 1.5
+    assert quantize_blocks(x.float().repeat(16), "mxfp4").dequantized[0].item() == 1.0  # the FP32 input's tie
+
+
+def test_local_values_are_exact_in_bf16_down_to_the_stated_scale() -> None:
+    """qgemm computes emulated_compute=bf16 GEMMs on ``local`` (elements times block scales) cast to
+    bf16: exact for every element on every scale 2**k with k >= bf16_exact_min_scale_exponent, and
+    not below it (checked on the format's whole grid, not on the formula)."""
+    from mptrain.numerics.formats import element_grid
+    from mptrain.numerics.mx import bf16_exact_min_scale_exponent
+
+    for fmt in MX:
+        grid = element_grid(fmt.element)
+        exact = [k for k in range(-127, 128)
+                 if torch.equal((grid * 2.0**k).float().to(torch.bfloat16).double(), grid * 2.0**k)]  # fmt: skip
+        assert exact == list(range(bf16_exact_min_scale_exponent(fmt), 128 - fmt.element.emax)), fmt.name
+    assert bf16_exact_min_scale_exponent(BLOCK_FORMATS["mxfp8"]) == -124
+    assert bf16_exact_min_scale_exponent(BLOCK_FORMATS["mxfp8_e5m2"]) == -117
+
+
+@pytest.mark.parametrize("layer", ["mx", "fp8"])
+def test_an_outer_autocast_does_not_change_what_emulated_gemms_compute_in(layer: str) -> None:
+    """Inside torch.autocast(bf16), forward and backward equal the run outside it: the GEMMs
+    compute in emulated_compute (FP32 here), not in autocast's bf16."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    if layer == "mx":
+        convert_model(lin, {"format": "mxfp8"})
+    else:
+        from mptrain.numerics.fp8 import convert_model as fp8_convert
+
+        fp8_convert(lin, {"format": "hybrid", "master_weights": "fp32", "stochastic_rounding": False})
+    x = torch.randn(8, 64)
+
+    def run(autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        lin.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = lin(x)
+        y.float().square().sum().backward()
+        return y.float().detach(), lin.weight.grad.clone()
+
+    (y0, g0), (y1, g1) = run(False), run(True)
+    assert torch.equal(y0, y1) and torch.equal(g0, g1)

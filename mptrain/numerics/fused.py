@@ -326,7 +326,7 @@ def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) ->
         e4m3, e4m3_i = _static(nf.E4M3)
         s_block = _round((amax / _NV.max_normal / t_scale).clamp(max=nf.E4M3.max_normal), e4m3, e4m3_i, None)
         s_block = torch.where(bad, math.nan, s_block)
-        return torch.where(s_block > 0, encode / s_block, 0.0), s_block
+        return torch.where(s_block > 0, (encode / s_block).clamp(max=mx.FP32_MAX), 0.0), s_block
     exps = (_exponent(amax) - pi[1]).clamp(-mx.E8M0_BIAS, mx.E8M0_BIAS)
     return nf.exp2i(-exps), torch.where(bad, math.nan, nf.exp2i(exps))
 

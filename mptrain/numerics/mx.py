@@ -23,7 +23,7 @@ E2M1 values, each block with an E4M3 scale, and one FP32 scale per tensor:
                    would overflow FP32 (amax below ~8e-36, as gradients of an unscaled run can be),
                    the encode scale is FP32's max and s_t its reciprocal, so the two stay inverse
     block scale    s_b = e4m3(min(amax(block) / 6 / s_t, 448))  (round-to-nearest-even, subnormals kept)
-    elements       P_i = e2m1(clamp(V_i * (encode / s_b), +-6))
+    elements       P_i = e2m1(clamp(V_i * min(encode / s_b, FP32 max), +-6))
     value          V_i ~ P_i * (s_t * s_b)
 
 The operation order is torchao's (``nvfp4_quantize``) so that the two agree bit for bit. One
@@ -165,7 +165,8 @@ def quantize_blocks(
         t_scale, encode = nvfp4_tensor_scales(t_amax, fmt)
         s_block = round_to_element((amax.float() / fmt.element.max_normal / t_scale).clamp(max=E4M3.max_normal), E4M3)
         s_block = torch.where(bad, math.nan, s_block)
-        recip = torch.where(s_block > 0, encode / s_block, 0.0)  # scale 0: the block flushes to 0
+        # scale 0: the block flushes to 0; the block's encode scale is kept finite too (NVIDIA's reference)
+        recip = torch.where(s_block > 0, (encode / s_block).clamp(max=FP32_MAX), 0.0)
         scaled = blocks * recip.unsqueeze(-1)
         exps = None
     else:
