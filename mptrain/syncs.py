@@ -49,6 +49,15 @@ class SyncCounts:
         return "; ".join(f"{site} x{n}" for site, n in self.sites.most_common()) or "none"
 
 
+def _innermost() -> str:
+    """The file of the innermost frame outside this module (torch's own included)."""
+    for frame in reversed(traceback.extract_stack()):
+        f = frame.filename.replace("\\", "/")
+        if not f.endswith("mptrain/syncs.py"):
+            return f
+    return "?"
+
+
 def _caller() -> str:
     # The innermost frame outside torch and this module: the line of mptrain (or a test) that asked.
     for frame in reversed(traceback.extract_stack()):
@@ -94,6 +103,10 @@ class _Counter(TorchFunctionMode):
         kind = _READBACKS.get(getattr(func, "__name__", ""))
         if kind is None and _is_host_to_device(func, args, kwargs):
             kind = "host_to_device"
+        # torch.optim reads its own step counters, which stay on the host on every device (they
+        # are never a sync): not counted.
+        if kind == "item" and "/torch/optim/" in _innermost():
+            kind = None
         if kind is not None:
             self.counts.by_kind[kind] += 1
             self.counts.sites[f"{kind} at {_caller()}"] += 1

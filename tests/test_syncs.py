@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mptrain.syncs import count_host_syncs
@@ -34,3 +35,52 @@ def test_nothing_is_counted_outside_the_block() -> None:
         pass
     torch.ones(2).sum().item()
     assert c.total == 0
+
+
+# --------------------------------------------------------------------------------------------
+# an emulated training step makes none (issue 24)
+
+
+def _step_syncs(overrides: list[str], steps: int = 3) -> list[int]:
+    """Host syncs of each of ``steps`` training steps of a real engine (no logging step among them)."""
+    import tempfile
+    from pathlib import Path
+
+    from conftest import compose, on_cpu
+    from test_transformer import TINY_TF
+
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+
+    cfg = compose(on_cpu([*TINY_TF, *overrides, "trainer.precision_plan=false"]))
+    validate(cfg)
+    engine = Engine(cfg, Path(tempfile.mkdtemp()))
+    batches = engine.task.train_batches(0)
+    counts = []
+    for _ in range(steps):
+        batch = [next(batches)]
+        with count_host_syncs() as c:
+            engine._train_step(batch)
+        counts.append(c.total)
+    return counts
+
+
+
+@pytest.mark.parametrize("fused_on", [False, True], ids=["reference", "fused"])
+def test_an_emulated_step_makes_no_host_sync(fused_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVFP4 with its whole recipe (the Hadamard transform, 2D tiles, stochastic rounding) and FP8
+    (stochastic rounding, FP16 masters, enhanced loss scaling) step without reading anything back,
+    fused or not. (FP8's scaler needs a fused optimizer for that: torch's GradScaler reads its
+    overflow flag on the host for any other, one sync a step. The fused optimizer's first step
+    reads once, where it creates its state: mptrain.optim's skipped-step guard.) The Hadamard
+    rotation is built once, not on the host for every GEMM operand."""
+    from mptrain.numerics import fused, mx
+
+    built = []
+    monkeypatch.setattr(mx, "hadamard_matrix", lambda n=16, f=mx.hadamard_matrix: built.append(n) or f(n))
+    mx.hadamard_rotation.cache_clear()
+    with fused.forced(fused_on):
+        assert _step_syncs(["precision=mx", "precision.format=nvfp4"]) == [0, 0, 0]
+        assert len(built) == 1  # one rotation for the run (one device, one dtype)
+        assert _step_syncs(["precision=fp8", "optim.impl=fused"]) == [1, 0, 0]
+        assert _step_syncs(["precision=fp8"]) == [1, 1, 1]  # the GradScaler sync, documented
