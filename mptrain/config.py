@@ -332,6 +332,7 @@ class TrainerConfig:
     compile_mode: str = "default"  # default | reduce-overhead | max-autotune
     cudnn_benchmark: bool = True
     precision_plan: bool = True  # one forward pass before training: each GEMM layer's format, reason and FLOPs
+    precision_plan_layers: bool = False  # print one row per layer (default: layers alike share a row)
     deterministic: bool = False  # deterministic kernels only (cuDNN, cuBLAS, scatter): for exact reruns
     max_nonfinite_steps: int = 50  # consecutive non-finite losses before the run is stopped
     warmup_windows: int = 1  # logging windows left out of the throughput median

@@ -669,7 +669,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         engine = Engine(cfg, run_dir)
         engine.guard = guard.__enter__()
         if engine.plan is not None and engine.dist.is_main:
-            engine.logger.console.print(render(engine.plan))
+            engine.logger.console.print(render(engine.plan, per_layer=cfg.trainer.precision_plan_layers))
         log.info(
             "%s on %s x%d | %s (%s) | loss_scale %s | %d steps, batch %d x %d micro-steps per device",
             cfg.model.name, engine.device, engine.dist.world_size, cfg.precision.name, engine.precision.resolved,

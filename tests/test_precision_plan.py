@@ -4,6 +4,7 @@ share, checked against torch's own FLOP counter and against what the precision d
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -116,3 +117,37 @@ def test_measuring_the_plan_leaves_the_run_unchanged(tmp_path, model):
     b = run_job(tmp_path / "b", *args, "trainer.precision_plan=false")
     assert b["precision_plan"] is None and a["precision_plan"]["layers"]
     assert json.dumps(a["final_loss"]) == json.dumps(b["final_loss"])
+
+
+def test_the_console_plan_groups_layers_that_share_format_and_reason(tmp_path):
+    """ResNet-50: one row for its 53 convolutions and its classifier, all in the mode's dtype for
+    the same reason; with NVFP4 the kept-high last layers get rows of their own. Per layer on request."""
+    from rich.console import Console
+
+    from mptrain.cli import compose
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+    from mptrain.numerics.plan import plan_rows, render
+
+    cfg = compose([*tiny("resnet50", "precision=fp32"), "trainer.device=cpu"])
+    validate(cfg)
+    plan = Engine(cfg, tmp_path).plan
+    assert plan_rows(plan) == [("53 conv2d + 1 linear", "fp32", "precision=fp32", plan.total_flops, "100.0%")]
+    assert len(plan_rows(plan, per_layer=True)) == 54
+    console = Console(record=True, width=200)
+    console.print(render(plan))
+    assert "53 conv2d + 1 linear" in console.export_text()
+
+    s = run_job(tmp_path / "nv", "model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4",
+                "trainer.max_steps=1", "trainer.precision_plan_layers=true")
+    layers = s["precision_plan"]["layers"]
+    from mptrain.numerics.plan import LayerPlan, PrecisionPlan
+
+    nv = PrecisionPlan([LayerPlan(**layer) for layer in layers], s["precision_plan"]["total_flops"])
+    rows = plan_rows(nv)
+    kept = [r for r in rows if r[1] != "nvfp4"]
+    assert kept and all(r[2].startswith("kept high") for r in kept)
+    def count(name: str) -> int:  # "3 linear + 1 conv2d" is 4 layers, "head (linear)" one
+        return sum(int(n) for n in re.findall(r"(\d+) \w+", name)) if name[0].isdigit() else 1
+
+    assert sum(count(r[0]) for r in rows) == len(layers)

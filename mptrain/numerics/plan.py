@@ -148,19 +148,44 @@ def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], defaul
     return PrecisionPlan(layers, max(total, sum(layer.flops for layer in layers)))
 
 
-def render(plan: PrecisionPlan, title: str = "precision plan") -> Any:
-    """A rich table: one row per GEMM layer, then the low-precision share of the FLOPs."""
+def plan_rows(plan: PrecisionPlan, per_layer: bool = False) -> list[tuple[str, str, str, int, str]]:
+    """(layers, format, why, FLOPs, share) per console row. Layers that share a format and a reason
+    share a row ("53 conv2d + 1 linear"); a layer that differs from the rest keeps its own, by name.
+    ``per_layer``: one row per layer. summary.json keeps every layer either way."""
+    groups: dict[tuple[str, str], list[LayerPlan]] = {}
+    for layer in plan.layers:
+        groups.setdefault((layer.format, layer.reason), []).append(layer)
+    rows = []
+    for (fmt, reason), layers in groups.items():
+        parts = [[layer] for layer in layers] if per_layer or len(layers) == 1 else [layers]
+        for part in parts:
+            flops = sum(layer.flops for layer in part)
+            if len(part) == 1:
+                name = f"{part[0].name or '<root>'} ({part[0].kind})"
+            else:
+                kinds: dict[str, int] = {}
+                for layer in part:
+                    kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
+                name = " + ".join(f"{n} {kind}" for kind, n in kinds.items())
+            share = flops / plan.total_flops if plan.total_flops else 0.0
+            rows.append((name, fmt, reason, flops, f"{share:.1%}"))
+    return rows
+
+
+def render(plan: PrecisionPlan, title: str = "precision plan", per_layer: bool = False) -> Any:
+    """A rich table: GEMM layers grouped by format and reason (``plan_rows``), then the share of the
+    forward FLOPs that runs below 16 bits."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-    for col, justify in (("layer", "left"), ("kind", "left"), ("format", "left"), ("FLOPs", "right"),
-                         ("share", "right"), ("why", "left")):
+    for col, justify in (("layers", "left"), ("format", "left"), ("FLOPs", "right"), ("share", "right"),
+                         ("why", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
-    for layer in plan.layers:
-        share = layer.flops / plan.total_flops if plan.total_flops else 0.0
-        table.add_row(layer.name or "<root>", layer.kind, layer.format, _si(layer.flops), f"{share:.1%}", layer.reason)
+    for name, fmt, reason, flops, share in plan_rows(plan, per_layer):
+        table.add_row(name, fmt, _si(flops), share, reason)
     table.caption = (f"{plan.low_precision_flop_fraction:.2%} of the forward FLOPs ({_si(plan.total_flops)}) "
-                     "run below 16 bits")
+                     "run below 16 bits" + ("" if per_layer else "; trainer.precision_plan_layers=true lists "
+                                            "every layer"))
     table.caption_justify = "left"
     return table
 
