@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mptrain.numerics.rounding_rng import RoundingStream
+from mptrain.numerics.rounding_rng import RoundingStream, rounding_generator
 
 
 @dataclass(frozen=True)
@@ -243,3 +243,62 @@ def round_arith(xf: Tensor, fmt: ElementFormat, u: Tensor | None = None) -> Tens
         r = down + (u < scaled - down).to(scaled.dtype)  # up with probability (a - down) / spacing
     q = r * (2.0**-fmt.mbits) * exp2i(e)  # on the grid, <= max (max is a grid point)
     return torch.where(torch.isnan(xf), xf, torch.copysign(q, xf))
+
+
+# --------------------------------------------------------------------------------------------
+# power-of-two scaled rounding (FP8 per tensor and per row) and bf16 stochastic rounding
+
+
+def pow2_scale(amax: Tensor, fmt: ElementFormat) -> Tensor:
+    """2**k, the largest power of two with amax * 2**k <= max (k in [-126, 126]); 1 where amax is 0
+    or non-finite. Exact and on the device: floor(log2 max) - floor(log2 amax) from frexp, settled by
+    power-of-two products (a ratio max / amax would overflow for amax below ~1e-36)."""
+    ok = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(ok, amax, 1.0)
+    k = (math.frexp(fmt.max_normal)[1] - torch.frexp(safe)[1]).clamp(-126, 126)
+    k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)
+    k = torch.where(safe * exp2i(k + 1) <= fmt.max_normal, k + 1, k).clamp(-126, 126)
+    return torch.where(ok, exp2i(k), 1.0)
+
+
+def round_scaled(
+    x: Tensor, fmt: ElementFormat, scale: Tensor, *, stochastic: bool = False,
+    generator: torch.Generator | RoundingStream | None = None,
+) -> Tensor:
+    """Round ``x * scale`` onto ``fmt`` (saturating) and divide back, exactly (a power-of-two scale);
+    non-finite values pass through, so an overflow still reaches a loss scaler. x's dtype out."""
+    xf = work_dtype(x)
+    q = round_to_element(xf * scale, fmt, stochastic=stochastic, generator=generator) / scale
+    return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
+
+
+def axiswise_round(
+    x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False,
+    generator: torch.Generator | RoundingStream | None = None,
+) -> Tensor:
+    """Round x to ``fmt`` with a power-of-two scale per vector along ``dim`` (torchao's ``rowwise``
+    recipe): ``pow2_scale`` of each vector's amax, so nothing saturates and scaling is exact;
+    non-finite values pass through. Returns FP32 values."""
+    xf = work_dtype(x)
+    s = pow2_scale(xf.abs().amax(dim, keepdim=True), fmt)
+    return round_scaled(xf, fmt, s, stochastic=stochastic, generator=generator).float()
+
+
+def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | RoundingStream | None = None) -> Tensor:
+    """Round FP32 ``x`` to bf16, up or down with probability given by the distance (unbiased).
+
+    bf16 is the top 16 bits of FP32, so adding a uniform random 16-bit integer to the bit
+    pattern and truncating rounds up exactly with probability (x - down) / ulp. No generator: the
+    run's rounding stream (``rounding_rng``), or outside a run the global RNG.
+    """
+    bits = x.float().contiguous().view(torch.int32)
+    if generator is None:  # the run's own rounding stream, not the global one (issue 18)
+        generator = rounding_generator(x.device)
+    if isinstance(generator, RoundingStream):
+        noise = generator.bits16(bits.shape)
+    else:
+        noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
+    rounded = (bits + noise) & -65536  # clear the low 16 bits (0xFFFF0000 as int32)
+    out = rounded.view(torch.float32)
+    # Inf/NaN must not be perturbed into other bit patterns.
+    return torch.where(torch.isfinite(x), out, x.float()).to(torch.bfloat16)

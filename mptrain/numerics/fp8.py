@@ -194,14 +194,7 @@ def tensor_scale(x: Tensor, fmt: Fp8Format | torch.dtype) -> Tensor:
     fmt = as_format(fmt)
     if x.numel() == 0:
         return torch.ones((), device=x.device)
-    amax = x.detach().abs().amax().float()
-    ok = torch.isfinite(amax) & (amax > 0)
-    safe = torch.where(ok, amax, torch.ones_like(amax))
-    k = torch.floor(math.log2(fmt.max) - torch.log2(safe)).clamp(-126, 126)
-    # log2 may be off by one near powers of two: settle k with exact power-of-two products.
-    k = torch.where(safe * _exp2i(k) > fmt.max, k - 1, k)
-    k = torch.where(safe * _exp2i(k + 1) <= fmt.max, k + 1, k).clamp(-126, 126)
-    return torch.where(ok, _exp2i(k), torch.ones_like(amax))
+    return nf.pow2_scale(x.detach().abs().amax().float(), _ELEMENT[fmt])
 
 
 def quantize_scaled(
@@ -450,7 +443,8 @@ class Fp8State:
         if self.backend != "emulated" or self.master_weights != "fp16":
             return
         for model in self.models:
-            params = list(model.parameters())
+            # parallel=fsdp2: a DTensor parameter rounds its own shard (rounding is elementwise)
+            params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
             if params:
                 gen = rounding_generator(params[0].device) if self.stochastic_rounding else None
                 fused.round_params_(params, nf.FP16, stochastic=self.stochastic_rounding, generator=gen)

@@ -450,12 +450,11 @@ def quantize_scaled(x: Tensor, fmt: ElementFormat, *, stochastic: bool = False,
         with contextlib.suppress(_Unfused):
             keys, counter = _stream(x, stochastic, generator)
             return _call("scaled", _opts(stochastic), x.reshape(-1), *_elem(fmt, x.device), keys, counter).view(x.shape)
-    from mptrain.numerics.fp8 import as_format
-    from mptrain.numerics.fp8 import quantize_scaled as ref
-
     if stochastic and generator is None:
         generator = global_stream(x.device)
-    return ref(x, as_format(fmt.torch_dtype), stochastic, generator)  # type: ignore[arg-type]
+    xf = nf.work_dtype(x)
+    s = nf.pow2_scale(xf.abs().amax().float(), fmt) if x.numel() else torch.ones((), device=x.device)
+    return nf.round_scaled(x, fmt, s, stochastic=stochastic, generator=generator)
 
 
 def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False,
@@ -469,11 +468,9 @@ def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool 
         with contextlib.suppress(_Unfused):
             keys, counter = _stream(x, stochastic, generator)
             return back(_call("axis", _opts(stochastic), x3, *_elem(fmt, x.device), *strides, keys, counter))  # type: ignore[misc]
-    from mptrain.numerics import qgemm
-
     if stochastic and generator is None:
         generator = global_stream(x.device)
-    return qgemm.axiswise_round(x, fmt, dim, stochastic=stochastic, generator=generator)  # type: ignore[arg-type]
+    return nf.axiswise_round(x, fmt, dim, stochastic=stochastic, generator=generator)
 
 
 def quantize_blocks(
@@ -520,9 +517,6 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
                   generator: RoundingStream | None = None) -> None:
     """Round every tensor in place onto ``fmt``, one draw per tensor in order (FP8's FP16 masters).
     The reference: ``p.copy_(quantize(p, fmt))`` or ``stochastic_round`` for each p."""
-    from mptrain.numerics import fp8
-
-    fmt8 = fp8.as_format(fmt.torch_dtype)  # type: ignore[arg-type]
     for p in params:
         if enabled(p) and _fits(fmt) and p.is_contiguous() and p.numel():
             with contextlib.suppress(_Unfused):
@@ -530,15 +524,12 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
                 _call("round_", _opts(stochastic), p.view(-1), *_elem(fmt, p.device), keys, counter)
                 continue
         gen = generator if generator is not None or not stochastic else global_stream(p.device)
-        p.copy_(fp8.stochastic_round(p, fmt8, gen) if stochastic else fp8.quantize(p, fmt8))
+        p.copy_(nf.round_to_element(p, fmt, stochastic=stochastic, generator=gen))
 
 
 def write_back_(dst: list[Tensor], src: list[Tensor], generator: RoundingStream | None) -> None:
     """Stochastically round FP32 masters ``src`` into FP16/bf16 parameters ``dst``, one draw per
     tensor in order (``MasterWeights.after_step``'s reference loop)."""
-    from mptrain.numerics.fp8 import stochastic_round
-    from mptrain.numerics.precision import stochastic_round_to_bf16
-
     for p, m in zip(dst, src, strict=True):
         if enabled(m) and p.is_contiguous() and m.is_contiguous() and m.numel():
             with contextlib.suppress(_Unfused):
@@ -551,4 +542,5 @@ def write_back_(dst: list[Tensor], src: list[Tensor], generator: RoundingStream 
                 continue
         gen = generator if generator is not None else global_stream(m.device)
         bf16 = p.dtype == torch.bfloat16
-        p.copy_(stochastic_round_to_bf16(m, gen) if bf16 else stochastic_round(m, torch.float16, gen))
+        p.copy_(nf.stochastic_round_to_bf16(m, gen) if bf16 else nf.round_to_element(m, nf.FP16, stochastic=True,
+                                                                                      generator=gen))

@@ -30,30 +30,12 @@ from torch import Tensor, nn
 from mptrain.errors import MptrainError
 from mptrain.hardware import DeviceCapability, device_capability, emulation_slowdown
 from mptrain.numerics import fused
-from mptrain.numerics.rounding_rng import RoundingStream, rounding_generator
+from mptrain.numerics.formats import stochastic_round_to_bf16 as stochastic_round_to_bf16  # re-exported
+from mptrain.numerics.rounding_rng import rounding_generator
 
 log = logging.getLogger(__name__)
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
-
-
-def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | RoundingStream | None = None) -> Tensor:
-    """Round FP32 ``x`` to bf16, up or down with probability given by the distance (unbiased).
-
-    bf16 is the top 16 bits of FP32, so adding a uniform random 16-bit integer to the bit
-    pattern and truncating rounds up exactly with probability (x - down) / ulp.
-    """
-    bits = x.float().contiguous().view(torch.int32)
-    if generator is None:  # the run's own rounding stream, not the global one (issue 18)
-        generator = rounding_generator(x.device)
-    if isinstance(generator, RoundingStream):
-        noise = generator.bits16(bits.shape)
-    else:
-        noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32, generator=generator)
-    rounded = (bits + noise) & -65536  # clear the low 16 bits (0xFFFF0000 as int32)
-    out = rounded.view(torch.float32)
-    # Inf/NaN must not be perturbed into other bit patterns.
-    return torch.where(torch.isfinite(x), out, x.float()).to(torch.bfloat16)
 
 
 class MasterWeights:

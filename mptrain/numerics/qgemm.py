@@ -42,7 +42,6 @@ plain tensors on any device.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,7 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mptrain.numerics import fused
-from mptrain.numerics.formats import ElementFormat, exp2i, round_to_element, work_dtype
+from mptrain.numerics.formats import ElementFormat
+from mptrain.numerics.formats import axiswise_round as axiswise_round  # the rowwise reference, re-exported
 from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, hadamard_rotation, random_signs, rotate
 from mptrain.numerics.rounding_rng import RoundingStream
 
@@ -120,31 +120,6 @@ class AxiswiseQuantizer:
         fmt = self.backward if role == "grad" else self.forward
         sr = self.stochastic_grads and role == "grad"
         return fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
-
-
-def axiswise_round(
-    x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False,
-    generator: torch.Generator | RoundingStream | None = None,
-) -> Tensor:
-    """Round x to ``fmt`` with a power-of-two scale per vector along ``dim``; returns FP32 values.
-
-    scale = 2**floor(log2(max / amax)) (1 for an all-zero or non-finite vector), so amax * scale
-    <= max: nothing saturates, and scaling is exact. Non-finite values pass through. The eager
-    reference of ``fused.axiswise_round``.
-    """
-    xf = work_dtype(x)
-    amax = xf.abs().amax(dim, keepdim=True)
-    ok = torch.isfinite(amax) & (amax > 0)
-    safe = torch.where(ok, amax, 1.0)
-    # floor(log2 max) - floor(log2 amax), then settled exactly by power-of-two products. (From
-    # frexp(max / amax) instead, the division overflows for a row of amax below ~1e-36, as tiny
-    # gradients can have, and such a row was flushed to zero instead of scaled up.)
-    k = (math.frexp(fmt.max_normal)[1] - torch.frexp(safe)[1]).clamp(-126, 126)
-    k = torch.where(safe * exp2i(k) > fmt.max_normal, k - 1, k)
-    k = torch.where(safe * exp2i(k + 1) <= fmt.max_normal, k + 1, k).clamp(-126, 126)
-    k = torch.where(ok, k, 0)
-    q = round_to_element(xf * exp2i(k), fmt, stochastic=stochastic, generator=generator) * exp2i(-k)
-    return torch.where(torch.isfinite(xf), q, xf).float()
 
 
 @dataclass
