@@ -361,7 +361,11 @@ class Engine:
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
                 if evaluate:
-                    self.metrics = self.task.evaluate(self.precision)
+                    # FSDP2: gathered once, so that ranks with one validation batch more than others
+                    # do not wait in an all-gather the others never join.
+                    gather = self.sharding.gathered if self.sharding else lambda _: contextlib.nullcontext()
+                    with gather(self.task.modules.values()):
+                        self.metrics = self.task.evaluate(self.precision)
                     logger.eval(self.step, self.metrics)
                 if checkpoint_now:
                     self.save()

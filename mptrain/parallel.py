@@ -15,10 +15,12 @@ global norm). What is written here is the glue that mptrain's precision object n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,6 +261,24 @@ class Fsdp2:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(model)
+
+    @contextlib.contextmanager
+    def gathered(self, models: Iterable[nn.Module]) -> Iterator[None]:
+        """Every unit's weights gathered once and kept until the block ends: forwards inside issue no
+        collectives, so ranks may run different numbers of them (evaluation: validation shards can
+        differ by a batch). Costs the whole model in param_dtype on each rank meanwhile."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for model in models for m in model.modules() if isinstance(m, FSDPModule)]
+        for u in units:
+            u.set_reshard_after_forward(False, recurse=False)
+            u.unshard()
+        try:
+            yield
+        finally:
+            for u in units:
+                u.reshard()
+                u.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
 
     def describe(self) -> dict[str, Any]:
         return {

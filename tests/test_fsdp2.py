@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import run_job
+from conftest import run_job, tiny
 from fsdp2_jobs import glue_worker, install_overflow_hook
 from test_engine import scalars
 
@@ -87,7 +87,7 @@ def launch(jobs: list[tuple[Path, list[str]]], where: Path, extra_env: dict[str,
     spec.write_text(json.dumps([[str(d), o] for d, o in jobs]))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         str(TESTS / "fsdp2_jobs.py"), str(spec)],
-                       capture_output=True, text=True, env={**env(), **(extra_env or {})}, timeout=600)
+                       capture_output=True, text=True, env={**env(), **(extra_env or {})}, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -186,33 +186,51 @@ def test_keep_checkpoints_holds_for_sharded_checkpoints(runs):
     assert not [p for p in (runs["fsdp2/fp32"] / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_checkpoints_reshard_across_world_sizes_and_layouts(runs):
-    """2 -> 1 -> 2 ranks under FSDP2, then to DDP and back: each leg continues the 1-process curve.
-
-    Tolerance: 1e-5 relative, as for fp32 above (reduction order only). A leg that lost state (the
-    optimizer's moments, a step counter, a weight) leaves that curve by far more."""
-    root, reference = runs["root"] / "chain", losses(runs["one/fp32"])
+@pytest.fixture(scope="module")
+def chain(runs: dict[str, Path]) -> dict[str, Path]:
+    """2 -> 1 -> 2 ranks under FSDP2, then to DDP and back, from the 2-rank fp32 run's step 10; and,
+    in the same launch, a ResNet whose ranks have unequal validation shards."""
+    root = runs["root"] / "chain"
     base = [*SMALL, "precision=fp32"]
-    legs = {"one_rank": root / "one_rank", "two": root / "two", "ddp": root / "ddp", "back": root / "back"}
-    with one_rank():  # 2 -> 1: the 2-rank run's step-10 checkpoint, on one FSDP2 rank of 8 rows
-        s = run_job(legs["one_rank"], *base, "parallel=fsdp2", "data.batch_size=8", "trainer.max_steps=13",
-                    f"trainer.resume={runs['fsdp2/fp32'] / 'checkpoints' / 'step_00000010'}")
-    assert s["world_size"] == 1 and s["resumed_from"].endswith("step_00000010")
-    root.mkdir(exist_ok=True)
+    legs = {"one_rank": root / "one_rank", "two": root / "two", "ddp": root / "ddp", "back": root / "back",
+            "resnet": root / "resnet"}
+    with one_rank():  # 2 -> 1: on one FSDP2 rank of 8 rows
+        run_job(legs["one_rank"], *base, "parallel=fsdp2", "data.batch_size=8", "trainer.max_steps=13",
+                f"trainer.resume={runs['fsdp2/fp32'] / 'checkpoints' / 'step_00000010'}")
     launch([(legs["two"], [*base, "parallel=fsdp2", "data.batch_size=4", "trainer.max_steps=16",
                            f"trainer.resume={legs['one_rank']}"]),  # 1 -> 2
             (legs["ddp"], [*base, "parallel=ddp", "data.batch_size=4", "trainer.max_steps=18",
                            f"trainer.resume={legs['two']}"]),  # FSDP2 -> DDP
             (legs["back"], [*base, "parallel=fsdp2", "data.batch_size=4", "trainer.max_steps=20",
-                            f"trainer.resume={legs['ddp']}"])], root)  # DDP -> FSDP2
-    continued = {}
+                            f"trainer.resume={legs['ddp']}"]),  # DDP -> FSDP2
+            # 9 validation images: rank 0 gets 5 (2 batches of 4), rank 1 gets 4 (1 batch).
+            (legs["resnet"], [*tiny("resnet50"), "trainer.device=cpu", "parallel=fsdp2", "data.val_samples=9",
+                              "trainer.max_steps=2"])], root)
+    return legs
+
+
+def test_checkpoints_reshard_across_world_sizes_and_layouts(runs, chain):
+    """Each leg continues the 1-process curve. Tolerance: 1e-5 relative, as for fp32 above (the
+    reduction order only); a leg that lost state (the optimizer's moments, a step counter, a weight)
+    leaves that curve by far more."""
+    reference, continued = losses(runs["one/fp32"]), {}
     for leg, first, last in (("one_rank", 11, 13), ("two", 14, 16), ("ddp", 17, 18), ("back", 19, 20)):
-        got = losses(legs[leg])
+        got = losses(chain[leg])
         assert sorted(got) == list(range(first, last + 1)), leg
         continued.update(got)
-    assert json.loads((legs["ddp"] / "summary.json").read_text())["parallel"]["name"] == "ddp"
-    assert checkpoint.list_checkpoints(legs["ddp"])[-1].suffix == ".pt"  # DDP wrote its own layout
+    one_rank = json.loads((chain["one_rank"] / "summary.json").read_text())
+    assert one_rank["world_size"] == 1 and one_rank["resumed_from"].endswith("step_00000010")
+    assert json.loads((chain["ddp"] / "summary.json").read_text())["parallel"]["name"] == "ddp"
+    assert checkpoint.list_checkpoints(chain["ddp"])[-1].suffix == ".pt"  # DDP wrote its own layout
     assert max(rel(continued[s], reference[s]) for s in continued) <= 1e-5
+
+
+def test_ranks_with_unequal_validation_shards_evaluate_without_waiting(chain):
+    """Evaluation runs on weights gathered once: rank 0's extra batch issues no all-gather that rank 1
+    would never join (it would hang). ResNet: a unit per bottleneck, batch norm in FP32."""
+    s = json.loads((chain["resnet"] / "summary.json").read_text())
+    assert s["status"] == "completed" and 0 <= s["metrics"]["top1"] <= 100
+    assert len(s["parallel"]["units"]["model"]) == 17  # 16 bottlenecks and the root
 
 
 # --------------------------------------------------------------------------------------------
