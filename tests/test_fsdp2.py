@@ -192,8 +192,7 @@ def chain(runs: dict[str, Path]) -> dict[str, Path]:
     in the same launch, a ResNet whose ranks have unequal validation shards."""
     root = runs["root"] / "chain"
     base = [*SMALL, "precision=fp32"]
-    legs = {"one_rank": root / "one_rank", "two": root / "two", "ddp": root / "ddp", "back": root / "back",
-            "resnet": root / "resnet"}
+    legs = {name: root / name for name in ("one_rank", "two", "ddp", "back", "resnet", "fp8", "bf16_pure", "hsdp")}
     with one_rank():  # 2 -> 1: on one FSDP2 rank of 8 rows
         run_job(legs["one_rank"], *base, "parallel=fsdp2", "data.batch_size=8", "trainer.max_steps=13",
                 f"trainer.resume={runs['fsdp2/fp32'] / 'checkpoints' / 'step_00000010'}")
@@ -205,7 +204,11 @@ def chain(runs: dict[str, Path]) -> dict[str, Path]:
                             f"trainer.resume={legs['ddp']}"]),  # DDP -> FSDP2
             # 9 validation images: rank 0 gets 5 (2 batches of 4), rank 1 gets 4 (1 batch).
             (legs["resnet"], [*tiny("resnet50"), "trainer.device=cpu", "parallel=fsdp2", "data.val_samples=9",
-                              "trainer.max_steps=2"])], root)
+                              "trainer.max_steps=2"]),
+            *[(legs[mode], [*SMALL, f"precision={mode}", "parallel=fsdp2", "data.batch_size=4", "trainer.max_steps=3"])
+              for mode in ("fp8", "bf16_pure")],
+            (legs["hsdp"], [*base, "parallel=fsdp2", "parallel.replicate=2", "data.batch_size=4",
+                            "trainer.max_steps=3"])], root)
     return legs
 
 
@@ -231,6 +234,31 @@ def test_ranks_with_unequal_validation_shards_evaluate_without_waiting(chain):
     s = json.loads((chain["resnet"] / "summary.json").read_text())
     assert s["status"] == "completed" and 0 <= s["metrics"]["top1"] <= 100
     assert len(s["parallel"]["units"]["model"]) == 17  # 16 bottlenecks and the root
+
+
+@pytest.mark.parametrize("mode, grid", [("fp8", torch.float16), ("bf16_pure", torch.bfloat16)])
+def test_shards_hold_the_modes_storage_grid(chain, mode, grid):
+    """fp8 (emulated, FP16 masters) rounds each rank's shard onto the FP16 grid after every step;
+    bf16_pure keeps bf16 values in its FP32 shards. Read back whole from the last checkpoint."""
+    s = json.loads((chain[mode] / "summary.json").read_text())
+    assert s["status"] == "completed" and s["parallel"]["mixed_precision"]["param_dtype"] == (
+        "bfloat16" if mode == "bf16_pure" else "float32")
+    weights = {k: v for k, v in sharded_checkpoint.load_full(checkpoint.list_checkpoints(chain[mode])[-1]).items()
+               if k.startswith("modules/")}
+    assert weights and all(torch.equal(w, w.to(grid).float()) for w in weights.values())
+    moved = losses(chain[mode])
+    assert moved[3] != moved[1]  # the weights did change: the grid is kept, not frozen
+
+
+def test_hsdp_replicates_across_the_first_mesh_dim(runs, chain):
+    s = json.loads((chain["hsdp"] / "summary.json").read_text())
+    reference, got = losses(runs["one/fp32"]), losses(chain["hsdp"])
+    assert sorted(got) == [1, 2, 3] and max(rel(got[k], reference[k]) for k in got) <= 1e-5
+    assert s["parallel"]["mesh"] == {"shape": [2, 1], "dim_names": ["replicate", "shard"]}
+    # Replicated, not sharded: each rank holds the whole state, as under DDP.
+    one = json.loads((chain["ddp"] / "summary.json").read_text())["parallel"]["state_bytes"][0]
+    assert [r["param_bytes"] for r in s["parallel"]["state_bytes"]] == [one["param_bytes"]] * 2
+    assert s["status"] == "completed"
 
 
 # --------------------------------------------------------------------------------------------
