@@ -30,6 +30,7 @@ import logging
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -184,7 +185,9 @@ def load_full(path: Path) -> dict[str, Tensor]:
     entries = read_metadata(path).state_dict_metadata
     full = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in entries.items()
             if isinstance(v, TensorStorageMetadata)}
-    dcp.load(full, storage_reader=_reader(path), no_dist=True)
+    with warnings.catch_warnings():  # DCP says it assumes one process: it is told so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(full, storage_reader=_reader(path), no_dist=True)
     return full
 
 

@@ -55,8 +55,9 @@ def markdown(result: dict) -> str:
              f"- date: {info['date']}; load average (1/5/15 min) at start "
              f"{' / '.join(map(str, info['load_average_start']))}, at end {' / '.join(map(str, result['load_end']))}",
              f"- command: `{info['command']}`",
-             f"- model: transformer_lm ({result['runs'][0]['parameters']:,} parameters), precision={result['precision']}, "
-             f"AdamW, batch {result['batch_size']} x {result['bptt']} tokens per rank, {result['steps']} steps",
+             f"- model: transformer_lm ({result['runs'][0]['parameters']:,} parameters), "
+             f"precision={result['precision']}, AdamW, batch {result['batch_size']} x {result['bptt']} tokens "
+             f"per rank, {result['steps']} steps",
              "- method: one torchrun job per layout, same config; bytes from summary.json's parallel.state_bytes "
              "(after the last step); step time = global tokens per step / median throughput of the logging "
              "windows after the first", "",

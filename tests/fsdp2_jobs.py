@@ -61,6 +61,7 @@ def glue_worker(rank: int, init_file: str, out: str) -> None:
     import torch.distributed as dist
     from omegaconf import OmegaConf
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from mptrain import distributed
@@ -88,7 +89,28 @@ def glue_worker(rank: int, init_file: str, out: str) -> None:
     results["found_inf"], results["scale"] = float(scaler.found_inf), float(scaler.scale_value)
     results["p"] = p.detach().tolist()
 
-    # 2. torchao float8 (emulated) with its FSDP2 float8 all-gather, through mptrain's glue, against
+    # 2. trainer.grad_clip as the engine calls it, on DTensor gradient shards: the global norm. Both
+    # ranks see the same 8 rows, so the reduced gradient is the one-process gradient of those rows.
+    def mlp() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    sharded, alone = mlp(), mlp()
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(2))
+    norms = []
+    for m in (sharded, alone):
+        m(x).pow(2).sum().backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(m.parameters()), 0.01, foreach=True)))
+    full = [p.grad.full_tensor() for p in sharded.parameters()]
+    results["clip_norms"] = norms
+    results["clip_equal"] = all(torch.allclose(a, p.grad, rtol=1e-6, atol=1e-9)
+                                for a, p in zip(full, alone.parameters(), strict=True))
+    results["clip_total"] = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in full])))
+
+    # 3. torchao float8 (emulated) with its FSDP2 float8 all-gather, through mptrain's glue, against
     # FSDP2 gathering the FP32 weights (float8 casts after the gather), on the same rows.
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 

@@ -46,7 +46,8 @@ MODES = {
     "fp32": ["precision=fp32", "trainer.checkpoint_every=5", "trainer.keep_checkpoints=3"],
     "amp_bf16": ["precision=amp_bf16"],
     "mxfp8": ["precision=mx", "precision.format=mxfp8"],
-    "fp16_master": ["precision=fp16_master", "loss_scale=dynamic", "loss_scale.growth_interval=4"],
+    "fp16_master": ["precision=fp16_master", "loss_scale=dynamic", "loss_scale.growth_interval=4",
+                    "trainer.checkpoint_every=10"],
 }
 OVERFLOW_STEPS = {1, 9}  # the fp16_master runs: an Inf in rank 1's shard of one gradient (the whole one alone)
 # Largest |relative difference| of a 2-rank FSDP2 loss from the 1-process loss over the 20 steps
@@ -236,6 +237,23 @@ def test_ranks_with_unequal_validation_shards_evaluate_without_waiting(chain):
     assert len(s["parallel"]["units"]["model"]) == 17  # 16 bottlenecks and the root
 
 
+def test_fp16_master_crosses_layouts_with_its_fp32_masters(runs, tmp_path):
+    """One process keeps FP16 weights and FP32 masters; FSDP2's FP32 shards are the masters. A
+    one-process checkpoint resumes under FSDP2 (one rank) with the masters, not the FP16 weights, in
+    its shards, and back again: the curve and the final masters are the uninterrupted run's."""
+    one, base = runs["one/fp16_master"], [*SMALL, *MODES["fp16_master"], "data.batch_size=8"]
+    with one_rank():
+        run_job(tmp_path / "fsdp2", *base, "parallel=fsdp2", "trainer.max_steps=15",
+                f"trainer.resume={one / 'checkpoints' / 'step_00000010.pt'}")
+    run_job(tmp_path / "back", *base, "trainer.max_steps=20", f"trainer.resume={tmp_path / 'fsdp2'}")
+    got, reference = {**losses(tmp_path / "fsdp2"), **losses(tmp_path / "back")}, losses(one)
+    assert sorted(got) == list(range(11, 21))
+    assert max(rel(got[s], reference[s]) for s in got) <= 1e-6
+    masters = [torch.load(checkpoint.list_checkpoints(d)[-1], weights_only=True)["masters"]["model"]["masters"]
+               for d in (tmp_path / "back", one)]
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(*masters, strict=True))
+
+
 @pytest.mark.parametrize("mode, grid", [("fp8", torch.float16), ("bf16_pure", torch.bfloat16)])
 def test_shards_hold_the_modes_storage_grid(chain, mode, grid):
     """fp8 (emulated, FP16 masters) rounds each rank's shard onto the FP16 grid after every step;
@@ -416,6 +434,15 @@ def test_the_scaler_reduces_found_inf_across_ranks(glue):
     # Rank 0's gradient is finite, yet it skips too, backs off to the same scale and keeps its weight.
     for r in glue:
         assert (r["found_inf"], r["scale"], r["p"]) == (1.0, 4.0, [1.0, 1.0, 1.0])
+
+
+def test_grad_clip_clips_by_the_global_norm_across_shards(glue):
+    """clip_grad_norm_ as the engine calls it (foreach) on FSDP2's DTensor shards: the norm of the
+    whole gradient, not of a shard, and the clipped gradient is the one-process one."""
+    for r in glue:
+        sharded, alone = r["clip_norms"]
+        assert sharded == pytest.approx(alone, rel=1e-6) and alone > 0.1  # so 0.01 clips hard
+        assert r["clip_equal"] and r["clip_total"] == pytest.approx(0.01, rel=1e-4)
 
 
 def test_torchao_float8_all_gathers_in_float8_under_fsdp2(glue):
