@@ -65,6 +65,9 @@ class ShardPolicy:
     reduce_dtype: torch.dtype | None  # the dtype gradients are reduce-scattered in (None: the gathered dtype)
     keep_fp32: tuple[type[nn.Module], ...] = ()  # layers whose weights are gathered in FP32 whatever param_dtype
     round_shards: torch.dtype | None = None  # after each step, round the FP32 shards onto this grid (bf16_pure)
+    # The FP32 shards start on this grid (keep_fp32 layers excepted), as masters copied from a model
+    # cast to it do on one process (fp16_master, bf16_pure)
+    start_grid: torch.dtype | None = None
     master: str = "the FP32 shards (no separate master copy)"
     why: str = ""
 
@@ -108,14 +111,15 @@ def shard_policy(precision: Precision) -> ShardPolicy:
         )
     if resolved == "fp16_master":
         return ShardPolicy(
-            torch.float16, torch.float32, keep_fp32=_NORM_TYPES,
+            torch.float16, torch.float32, keep_fp32=_NORM_TYPES, start_grid=torch.float16,
             master="the FP32 shards are the master copy (no MasterWeights)",
             why="Micikevicius et al. sharded: FP16 weights gathered for compute (norm layers FP32, as on one process), "
-                "gradients reduce-scattered and unscaled in FP32, the update applied to the FP32 shards",
+                "gradients reduce-scattered and unscaled in FP32, the update applied to the FP32 shards, which start "
+                "from the FP16-cast weights as the masters do",
         )
     if resolved == "bf16_pure":
         return ShardPolicy(
-            torch.bfloat16, torch.bfloat16, round_shards=torch.bfloat16,
+            torch.bfloat16, torch.bfloat16, round_shards=torch.bfloat16, start_grid=torch.bfloat16,
             master="none: the FP32 shards hold bf16 values (rounded after every step)",
             why="pure bf16: weights and gradient communication in bf16 (as DDP all-reduces bf16 gradients); the "
                 "update is applied in FP32 and rounded back to bf16, stochastically with precision.stochastic_rounding",
@@ -239,17 +243,21 @@ class Fsdp2:
             # precision plan, evaluation) then leaves every parameter sharded, as the optimizer sees it.
             fully_shard(model, mesh=self.mesh, mp_policy=policy, reshard_after_forward=self.reshard_after_forward)
         self.units[name] = [*units, "<root>"]
+        if p.start_grid is not None:
+            with torch.no_grad():
+                for m in model.modules():
+                    if not isinstance(m, p.keep_fp32):
+                        for q in m.parameters(recurse=False):
+                            local(q).copy_(local(q).to(p.start_grid).float())
         if p.round_shards is not None:
             self._round.append(model)
-            self._round_shards(model, stochastic=False)  # as bf16_pure's model.to(bf16) starts
         return model
 
     @torch.no_grad()
     def _round_shards(self, model: nn.Module, stochastic: bool) -> None:
         for q in model.parameters():
-            local = q.to_local() if hasattr(q, "to_local") else q
-            rounded = stochastic_round_to_bf16(local) if stochastic else local.to(torch.bfloat16)
-            local.copy_(rounded.float())
+            shard = local(q)
+            shard.copy_((stochastic_round_to_bf16(shard) if stochastic else shard.to(torch.bfloat16)).float())
 
     def after_step(self, model: nn.Module) -> None:
         """After each optimizer step (skipped or not, as the single-process masters are written back)."""
