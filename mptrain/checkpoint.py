@@ -1,7 +1,9 @@
 """Checkpoints: atomic writes, safe loads, and finding the latest one in a run directory.
 
 A checkpoint is a plain dict of tensors and Python primitives, so it loads with
-``torch.load(weights_only=True)``: opening a checkpoint never runs pickled code.
+``torch.load(weights_only=True)``: opening a checkpoint never runs pickled code. Under
+``parallel=fsdp2`` a checkpoint is a directory, ``step_N/``, that every rank writes its shard into
+(``mptrain.sharded_checkpoint``); both kinds are listed, pruned and resumed alike.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,8 @@ from mptrain.errors import MptrainError
 from mptrain.numerics import rounding_rng
 
 CKPT_DIR = "checkpoints"
-_NAME = re.compile(r"step_(\d+)\.pt$")
+_NAME = re.compile(r"step_(\d+)(\.pt)?")
+SHARDED_META = "meta.pt"  # in a sharded checkpoint's directory: written last, so its presence marks it complete
 
 
 def save_atomic(state: dict[str, Any], path: Path) -> None:
@@ -55,24 +59,39 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = run_dir / CKPT_DIR
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.search(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name)) and _complete(p)]
     return [p for _, p in sorted(found)]
+
+
+def _complete(path: Path) -> bool:
+    """A file (written by an atomic rename), or a sharded checkpoint's directory (renamed into
+    place once every rank's shard and the meta file are written)."""
+    return path.is_file() if path.suffix == ".pt" else (path / SHARDED_META).is_file()
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / SHARDED_META).is_file()
 
 
 def prune(run_dir: Path, keep: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     """``trainer.resume``: null (fresh run), auto (this run dir's latest, if any), or a path to a
-    checkpoint file or to a run directory (its latest)."""
+    checkpoint (a file, or a sharded checkpoint's directory) or to a run directory (its latest)."""
     if resume is None:
         return None
     if resume == "auto":
         found = list_checkpoints(run_dir)
         return found[-1] if found else None
     path = Path(resume).expanduser()
+    if is_sharded(path):
+        return path
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:

@@ -23,7 +23,7 @@ from mptrain.config import register_configs, validate
 from mptrain.errors import DivergedError, MptrainError
 
 CONFIG_MODULE = "mptrain.configs"
-GROUPS = ("model", "data", "precision", "loss_scale", "optim", "sched", "telemetry")
+GROUPS = ("model", "data", "precision", "loss_scale", "optim", "sched", "telemetry", "parallel")
 log = logging.getLogger("mptrain")
 
 

@@ -2,7 +2,8 @@
 
 mptrain uses torch.distributed as it is: ``torchrun --nproc_per_node=N -m mptrain ...`` (or a
 SLURM job with one task per GPU) gives each process a rank; the engine wraps its modules in
-DistributedDataParallel, and only rank 0 logs and checkpoints. ``data.batch_size`` is per device.
+DistributedDataParallel (or shards them, ``parallel=fsdp2``: mptrain.parallel), and only rank 0 logs.
+``data.batch_size`` is per device.
 """
 
 from __future__ import annotations

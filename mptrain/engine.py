@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from mptrain import __version__, checkpoint, distributed
+from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.numerics import fused, rounding_rng
@@ -52,6 +52,7 @@ from mptrain.numerics.precision import MasterWeights, Precision, build_precision
 from mptrain.numerics.scalers import build_scaler, resolve_policy
 from mptrain.numerics.telemetry import GradientTelemetry, build_telemetry
 from mptrain.optim import build_optimizer, build_scheduler, param_groups
+from mptrain.parallel import Fsdp2, parallel_record, reshard, state_bytes
 from mptrain.tasks import Objective, Task, build_task
 
 log = logging.getLogger("mptrain")
@@ -143,6 +144,9 @@ class Engine:
         self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
+        # parallel=fsdp2: the mesh and how this precision maps onto FSDP2 (mptrain.parallel).
+        self.sharding = Fsdp2(cfg.parallel, self.device, self.dist, self.precision) \
+            if cfg.parallel.name == "fsdp2" else None
         self.policy = resolve_policy(cfg.loss_scale.name, self.precision.resolved, self.precision.fp8)
         if self.precision.note:
             log.info("precision: %s", self.precision.note)
@@ -190,24 +194,30 @@ class Engine:
         self.logger = RunLogger(run_dir, self.total_steps, self.task.unit, start_step=self.step,
                                 enabled=self.dist.is_main)
         self.guard: distributed.PreemptionGuard | None = None
+        self.memory: list[dict[str, int]] | None = None  # every rank's state bytes, at the end of training
 
     # ---------------------------------------------------------------------------------- setup
 
     def _build_slot(self, objective: Objective) -> Slot:
         cfg = self.cfg
-        module = self.precision.prepare_model(self.task.modules[objective.module])
+        module = self.precision.prepare_model(self.task.modules[objective.module], sharded=self.sharding is not None)
         scaler = build_scaler(cfg.loss_scale, self.policy, self.device)
         module = scaler.attach(module)
         if cfg.trainer.compile:
             module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
-        if self.dist.enabled:
+        if self.sharding is not None:
+            # Each rank checks only its shards for Inf/NaN: the flag is all-reduced (max) so that all skip.
+            module = self.sharding.shard(objective.module, module)
+            scaler.reduce_found_inf = True
+        elif self.dist.enabled:
             # Gradients are averaged across ranks inside backward, so every rank sees the same
             # Inf/NaN flags and makes the same skip and scale decision.
             ids = [self.device.index] if self.device.type == "cuda" else None
             module = nn.parallel.DistributedDataParallel(module, device_ids=ids)
         self.task.modules[objective.module] = module
         groups = param_groups(module, cfg.optim.weight_decay, cfg.optim.no_decay_bn_bias)
-        groups, master = self.precision.master_weights(groups)
+        # Under FSDP2 the FP32 shards are the master copy: no MasterWeights.
+        groups, master = self.precision.master_weights(groups) if self.sharding is None else (groups, None)
         if master is not None:
             scaler.alias_params(master.model_params, master.masters)
         optimizer = build_optimizer(cfg.optim, groups, self.device)
@@ -269,6 +279,8 @@ class Engine:
             slot.scaler.update()
             if slot.master is not None:
                 slot.master.after_step()
+            if self.sharding is not None:
+                self.sharding.after_step(slot.module)
             self.precision.after_step()
             slot.scheduler.step()
             loss_mean = loss_sum / accum if accum > 1 else loss_sum
@@ -354,7 +366,11 @@ class Engine:
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
                 if evaluate:
-                    self.metrics = self.task.evaluate(self.precision)
+                    # FSDP2: gathered once, so that ranks with one validation batch more than others
+                    # do not wait in an all-gather the others never join.
+                    gather = self.sharding.gathered if self.sharding else lambda _: contextlib.nullcontext()
+                    with gather(self.task.modules.values()):
+                        self.metrics = self.task.evaluate(self.precision)
                     logger.eval(self.step, self.metrics)
                 if checkpoint_now:
                     self.save()
@@ -370,6 +386,7 @@ class Engine:
                 if done:
                     break
         self.throughput_windows = windows
+        self.memory = distributed.all_gather_object(self.state_bytes())
 
     def _warn_data_wait(self, n_windows: int) -> bool:
         """One line when a window (past the warm-up ones: worker start-up) was input-bound; rank 0's
@@ -483,16 +500,22 @@ class Engine:
     def state_dict(self, rng: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The checkpoint; ``rng``: every rank's RNG streams, in rank order (default: this rank's)."""
         return {
+            **self.run_state(rng),
+            "modules": {k: unwrap(m).state_dict() for k, m in self.task.modules.items()},
+            "optimizers": {s.objective.name: s.optimizer.state_dict() for s in self.slots},
+            "masters": {s.objective.name: s.master.state_dict() for s in self.slots if s.master},
+        }
+
+    def run_state(self, rng: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The checkpoint less the weights and optimizer state (a sharded checkpoint's meta.pt)."""
+        return {
             "format": 1,
             "mptrain_version": __version__,
             "task": self.cfg.model.get("task", "classification"),
             "model_name": self.cfg.model.name,
             "step": self.step,
-            "modules": {k: unwrap(m).state_dict() for k, m in self.task.modules.items()},
-            "optimizers": {s.objective.name: s.optimizer.state_dict() for s in self.slots},
             "schedulers": {s.objective.name: s.scheduler.state_dict() for s in self.slots},
             "scalers": {s.objective.name: s.scaler.state_dict() for s in self.slots},
-            "masters": {s.objective.name: s.master.state_dict() for s in self.slots if s.master},
             "task_state": self.task.state_dict(),
             "precision": self.precision.state_dict(),
             "counters": {"skipped": float(self.skipped), "nonfinite_run": float(self.nonfinite_run)},
@@ -507,6 +530,12 @@ class Engine:
         GPU's stream differ), unless ``gather`` is off (a Ctrl-C, where other ranks may not be here).
         """
         own = checkpoint.rng_state(self.device)
+        if self.sharding is not None:
+            if not gather:  # a sharded save is a collective, and the other ranks may be elsewhere
+                log.warning("step %d: interrupted; a sharded checkpoint needs every rank, none written", self.step)
+                return
+            sharded_checkpoint.save(self, distributed.all_gather_object(own))
+            return
         rng = distributed.all_gather_object(own) if gather else [own]
         if not self.dist.is_main:
             return
@@ -518,7 +547,8 @@ class Engine:
         checkpoint.prune(self.run_dir, self.cfg.trainer.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
-        state = checkpoint.load(path)
+        sharded = checkpoint.is_sharded(path)
+        state = sharded_checkpoint.read_meta(path) if sharded else checkpoint.load(path)
         cfg = self.cfg
         task = cfg.model.get("task", "classification")
         if state["model_name"] != cfg.model.name or state["task"] != task:
@@ -527,14 +557,18 @@ class Engine:
                 f"this run is model={cfg.model.name}"
             )
         try:
-            for name, module in self.task.modules.items():
-                unwrap(module).load_state_dict(state["modules"][name])
+            if sharded or self.sharding is not None:  # a layout or a world size to cross (mptrain.sharded_checkpoint)
+                sharded_checkpoint.restore(self, path, state)
+            else:
+                for name, module in self.task.modules.items():
+                    unwrap(module).load_state_dict(state["modules"][name])
             for s in self.slots:
                 name = s.objective.name
-                s.optimizer.load_state_dict(state["optimizers"][name])
+                if not sharded and self.sharding is None:
+                    s.optimizer.load_state_dict(state["optimizers"][name])
                 s.scheduler.load_state_dict(state["schedulers"][name])
                 s.scaler.load_state_dict(state["scalers"][name])
-                if s.master is not None:
+                if s.master is not None and not sharded:
                     s.master.load_state_dict(state["masters"][name])
         except MptrainError:
             raise
@@ -553,6 +587,15 @@ class Engine:
                         self.dist.rank, len(state["rng"]))
         self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.step)
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's parameter (masters included), gradient and optimizer-state bytes."""
+        if self.sharding is not None:
+            for m in self.task.modules.values():
+                reshard(m)
+        return {"rank": self.dist.rank, **state_bytes(
+            list(self.task.modules.values()), [s.optimizer for s in self.slots],
+            [s.master.masters for s in self.slots if s.master is not None])}
 
     # ---------------------------------------------------------------------------------- run
 
@@ -576,6 +619,9 @@ class Engine:
             "device_name": _device_name(self.device),
             "world_size": self.dist.world_size,
             "dist_backend": distributed.backend(),
+            "parallel": parallel_record(cfg.parallel.name, self.dist, self.sharding,
+                                        any(s.master is not None for s in self.slots),
+                                        self.memory or [self.state_bytes()]),
             "batch_size": cfg.data.batch_size,
             "global_batch_size": cfg.data.batch_size * cfg.trainer.grad_accum * self.dist.world_size,
             "image_size": self.image_size,
@@ -616,6 +662,8 @@ def pairing_digests(modules: Any) -> dict[str, str]:
     h = hashlib.sha256()
     for module in modules:
         for name, p in unwrap(module).state_dict().items():
+            if torch.is_tensor(p) and hasattr(p, "full_tensor"):
+                p = p.full_tensor()  # parallel=fsdp2: the whole weight (a collective; every rank is here)
             if torch.is_tensor(p) and p.is_floating_point():
                 h.update(name.encode())
                 h.update(p.detach().to("cpu", torch.float16).contiguous().numpy().tobytes())

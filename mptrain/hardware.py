@@ -126,7 +126,9 @@ def lstm_path(device_type: str, dtype: torch.dtype) -> str:
         return "autocast"
     # fork_rng: the probe's random init must not move the run's RNG stream, or a seed would give
     # other dropout masks in a half precision than in FP32, and the runs would no longer pair
-    with torch.random.fork_rng(devices=[]):
+    # enable_grad: the first call may come from a no_grad forward (the precision plan, evaluation), where
+    # the probe's backward would fail on every path and "fp32" would be cached for the whole process
+    with torch.random.fork_rng(devices=[]), torch.enable_grad():
         return _probe_lstm(dtype)
 
 

@@ -581,6 +581,9 @@ def _convert_torchao(
     # The weight-gradient GEMM contracts over the batch (tokens), which torch._scaled_mm needs
     # divisible by 16 like the feature dims: pad_inner_dim zero-pads it, so any batch size trains.
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), pad_inner_dim=True)
+    if options.get("fsdp_float8_all_gather") and recipe == "tensorwise":
+        # parallel=fsdp2: all-gather the weights in float8 (torchao's FSDP2 hook; tensorwise scales only).
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     model = convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     decisions = [

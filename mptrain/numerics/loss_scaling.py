@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mptrain import distributed
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.optim import discard_skipped_state, fresh_params
 
@@ -33,6 +34,9 @@ class LossScaler(ABC):
     """The interface every policy implements. ``policy`` names it in logs and summary.json."""
 
     policy: str = "base"
+    # parallel=fsdp2: each rank checks only its shards for Inf/NaN, so the flag is all-reduced (max)
+    # before the skip decision; every rank then skips, or steps, together.
+    reduce_found_inf: bool = False
 
     def attach(self, module: nn.Module) -> nn.Module:
         """Called once with the module whose loss this scaler scales; returns the module to train.
@@ -163,6 +167,11 @@ class _GradScalerBase(LossScaler):
         self._scaler.unscale_(optimizer)
         # GradScaler keeps the per-device Inf/NaN flags it just computed; sum them on the device.
         flags = self._scaler._found_inf_per_device(optimizer)
+        if self.reduce_found_inf:
+            # In place: GradScaler.step reads these very tensors. (torch's DTensor dispatch reduces
+            # them too in recent releases; this is what makes it so on every release, and for any grads.)
+            for flag in flags.values():
+                distributed.all_reduce(flag, "max")
         self._found_inf = torch.stack([f.to(self.device) for f in flags.values()]).sum().clamp_(max=1.0)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:

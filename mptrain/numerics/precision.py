@@ -134,9 +134,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Cast storage and convert layers for this mode. Call before building the optimizer."""
-        if self.param_dtype != torch.float32:
+    def prepare_model(self, model: nn.Module, sharded: bool = False) -> nn.Module:
+        """Cast storage and convert layers for this mode. Call before building the optimizer.
+
+        ``sharded`` (parallel=fsdp2): weights stay FP32, as FSDP2's shards are the master copy and its
+        MixedPrecisionPolicy gathers them in ``param_dtype`` (mptrain.parallel.shard_policy)."""
+        if self.param_dtype != torch.float32 and not sharded:
             model.to(self.param_dtype)
             if self.resolved == "fp16_master":
                 # Batch norm keeps FP32 weights and statistics: its reductions need the range.
@@ -148,7 +151,8 @@ class Precision:
             from mptrain.numerics.fp8 import convert_model
 
             # Adds to the state of the task's other networks (a GAN's two): all get the recipe.
-            model, self.fp8_state = convert_model(model, {**self.options, "backend": self.fp8}, self.fp8_state)
+            options = {**self.options, "backend": self.fp8, "fsdp_float8_all_gather": sharded}
+            model, self.fp8_state = convert_model(model, options, self.fp8_state)
         if self.mx is not None:
             from mptrain.numerics.convert import convert_model as convert_mx
 
