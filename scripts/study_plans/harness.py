@@ -1,0 +1,369 @@
+"""The one study harness (issue 27): run a plan's runs once, stamped with the code that trained them;
+read them back with their pairing and provenance; judge claims through mptrain.verdicts.
+
+A plan (a module of this package) says which runs, which claims and which margins; this module
+does everything plans share:
+
+- **Runs.** Every run is ``python -m mptrain <overrides> hydra.run.dir=<runs>/<name>``, one thread,
+  ``--jobs`` at a time. Its ``stamp.json`` records the git commit, whether the code under
+  ``CODE_PATHS`` had uncommitted changes, the exact command, the CPU capability, and the process's
+  wall time. A finished run is reused only when its command is the spec's and its commit's code is
+  this tree's (a docs-only commit in between is fine; an uncommitted tree on either side never
+  is). Any other run is *stale*: the harness stops before training anything and names them, unless
+  told ``--rerun-stale`` (train them again) or ``--keep-stale`` (keep them, reported stale and left
+  out of every claim).
+- **Pairing.** A run enters a claim only when its pairing digests equal its FP32 twin's (same
+  group and seed): :func:`mark_pairing`.
+- **Judging.** :func:`observations` turns records into :class:`mptrain.verdicts.Obs`, and
+  :func:`judge_cells` pairs and judges them, as ``mptrain-report --verdicts`` does.
+- **Provenance.** :func:`provenance` groups the runs by commit: which are not at the study's
+  commit, which came from uncommitted trees, and whether their code equals the study commit's.
+- **Pilots and plan files.** :func:`pilot` runs a few steps of one run per new cell type and
+  measures its cost; :func:`plan_markdown` writes a plan's commands, claims, margins, seeds, steps
+  and measured cost for whoever launches it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mptrain.verdicts import Margin, Obs, Verdict, judge, pair
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "results"
+RUNS = ROOT / "runs" / "study"
+CODE_PATHS = ("mptrain", "configs", "pyproject.toml")  # what a run's numbers depend on
+FINAL = ("completed", "diverged")  # a diverged run is a result too, not a failure to redo
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One run of a plan."""
+
+    name: str  # its dir under the plan's runs dir
+    overrides: tuple[str, ...]
+    seed: int
+    cell: str  # the precision cell
+    group: str = ""  # the recipe (model) it belongs to: pairing and claims stay inside a group
+    part: str = ""
+    tag: str = ""  # e.g. "tel": a run of its own kind (telemetry), paired only with its own kind
+    cost: float = 1.0  # relative cost, for ordering: the long runs go first
+
+    @property
+    def command(self) -> str:
+        return "python -m mptrain " + " ".join(self.overrides)
+
+
+def steps_of(spec: Spec) -> int:
+    return int(next(o for o in spec.overrides if o.startswith("trainer.max_steps=")).split("=")[1])
+
+
+# ------------------------------------------------------------------------------------------ code stamps
+
+
+class StaleRunError(RuntimeError):
+    """Cached runs trained by other code (or another command) than the spec's."""
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@dataclass(frozen=True)
+class CodeState:
+    commit: str | None
+    dirty: bool | None  # uncommitted changes under CODE_PATHS: the commit does not describe the code
+
+    @classmethod
+    def current(cls) -> CodeState:
+        head = _git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return cls(None, None)
+        return cls(head.stdout.strip(), _git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip() != "")
+
+    def same_code(self, commit: str | None, dirty: bool | None) -> bool:
+        """A run stamped (commit, dirty) was trained by this code: the same commit, or one whose
+        CODE_PATHS equal this one's; never an uncommitted tree on either side."""
+        if not commit or dirty is not False or self.dirty is not False or not self.commit:
+            return False
+        return commit == self.commit or same_code(commit, self.commit)
+
+
+def same_code(a: str, b: str) -> bool | None:
+    """Whether two commits have the same CODE_PATHS (None: git cannot tell)."""
+    r = _git("diff", "--quiet", a, b, "--", *CODE_PATHS)
+    return {0: True, 1: False}.get(r.returncode)
+
+
+def read_json(p: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(p.read_text()) if p.exists() else None
+    except json.JSONDecodeError:
+        return None
+
+
+def stale_reason(spec: Spec, run_dir: Path, code: CodeState) -> str | None:
+    """Why a finished cached run may not stand for ``spec`` under this code (None: it may)."""
+    stamp = read_json(run_dir / "stamp.json")
+    if stamp is None:
+        return "no stamp.json"
+    if stamp.get("command") != spec.command:
+        return "its command differs from the spec's"
+    if not code.same_code(stamp.get("commit"), stamp.get("code_dirty")):
+        dirty = " (uncommitted tree)" if stamp.get("code_dirty") else ""
+        return f"trained at {str(stamp.get('commit'))[:12]}{dirty}, not this tree's code"
+    return None
+
+
+def finished(run_dir: Path) -> bool:
+    return ((read_json(run_dir / "summary.json") or {}).get("status")) in FINAL
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def train(spec: Spec, run_dir: Path, code: CodeState, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One run in its own process with one thread; returns its stamp (rc and wall time included)."""
+    import torch
+
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # old event files would merge into the new curves
+    run_dir.mkdir(parents=True)
+    stamp = {"commit": code.commit, "code_dirty": code.dirty, "command": spec.command,
+             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "started": time.time()}
+    (run_dir / "stamp.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    cmd = [sys.executable, "-m", "mptrain", *spec.overrides, *extra, f"hydra.run.dir={run_dir}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0 = time.time()
+    with open(run_dir / "stdout.log", "w") as log:
+        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stamp.update(rc=rc, wall_s=time.time() - t0)
+    (run_dir / "stamp.json").write_text(json.dumps(stamp, indent=1) + "\n")
+    print(f"[rc={rc} {stamp['wall_s']:6.1f}s] {spec.name}", flush=True)
+    return stamp
+
+
+def run_specs(specs: list[Spec], runs: Path, jobs: int = 1, rerun_stale: bool = False,
+              keep_stale: bool = False, code: CodeState | None = None,
+              trainer: Callable[[Spec, Path, CodeState], Any] = train) -> list[Spec]:
+    """Train every spec that has no current finished run; returns those trained. Stale runs are
+    found for all specs before anything trains, so a refusal costs nothing."""
+    code = code or CodeState.current()
+    stale = {s.name: why for s in specs if finished(runs / s.name) and (why := stale_reason(s, runs / s.name, code))}
+    if stale and not (rerun_stale or keep_stale):
+        raise StaleRunError(f"{len(stale)} cached run(s) from other code or commands (pass --rerun-stale to train "
+                            "them again, or --keep-stale to report them stale and left out):\n  "
+                            + "\n  ".join(f"{n}: {w}" for n, w in stale.items()))
+    todo = [s for s in specs if not finished(runs / s.name) or (s.name in stale and rerun_stale)]
+    todo.sort(key=lambda s: -s.cost * steps_of(s))
+    print(f"{len(specs) - len(todo)} of {len(specs)} runs cached; training {len(todo)}", flush=True)
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        list(pool.map(lambda s: trainer(s, runs / s.name, code), todo))
+    return todo
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def base_record(spec: Spec, run_dir: Path, code: CodeState | None = None) -> tuple[dict, dict | None]:
+    """The fields every plan's run record has, and the run's summary.json (None: no run)."""
+    r: dict[str, Any] = dict(name=spec.name, cell=spec.cell, seed=spec.seed, command=spec.command)
+    summary = read_json(run_dir / "summary.json")
+    stamp = read_json(run_dir / "stamp.json") or {}
+    r.update(commit=stamp.get("commit"), code_dirty=stamp.get("code_dirty"),
+             cpu_capability=stamp.get("cpu_capability"), process_wall_s=stamp.get("wall_s"))
+    if summary is None:
+        return {**r, "status": "missing", "stale": None, "paired": False}, None
+    r["status"] = summary.get("status")
+    r["stale"] = stale_reason(spec, run_dir, code) if code is not None else None
+    return r, summary
+
+
+def mark_pairing(recs: list[dict], digest: Callable[[dict], Any], group: Callable[[dict], Any]) -> None:
+    """Each record's ``paired``: it is finished, not stale, has digests, and they equal those of its
+    FP32 twin (same group and seed), or, without one, of the group's first such run."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in recs:
+        groups.setdefault((group(r), r["seed"]), []).append(r)
+    for rows in groups.values():
+        ok = [r for r in rows if r.get("status") in FINAL and not r.get("stale") and digest(r) is not None]
+        ref = next((r for r in ok if r["cell"] == "fp32"), ok[0] if ok else None)
+        for r in rows:
+            r["paired"] = bool(ref is not None and r in ok and digest(r) == digest(ref))
+
+
+def provenance(recs: list[dict], commit_key: str = "commit", dirty_key: str = "code_dirty") -> dict[str, Any]:
+    """The runs by the commit that trained them: the study commit (most runs), and every other one
+    with its runs, whether its tree was dirty, and whether its code equals the study commit's."""
+    by: dict[tuple, list[str]] = {}
+    for r in recs:
+        if r.get("status") in FINAL:
+            by.setdefault((r.get(commit_key), r.get(dirty_key)), []).append(r["name"])
+    if not by:
+        return {"study_commit": None, "runs": 0, "at_study_commit": 0, "other": []}
+    (main, main_dirty), names = max(by.items(), key=lambda kv: len(kv[1]))
+    other = []
+    for (c, dirty), names_c in sorted(by.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        if (c, dirty) == (main, main_dirty):
+            continue
+        same = None if dirty or main_dirty or not c or not main else same_code(c, main)
+        other.append({"commit": c, "dirty": dirty, "runs": sorted(names_c), "code_same_as_study": same})
+    return {"study_commit": main, "study_commit_dirty": main_dirty, "runs": sum(map(len, by.values())),
+            "at_study_commit": len(names), "other": other,
+            "not_at_study_commit": sum(len(o["runs"]) for o in other),
+            "from_uncommitted_trees": sum(len(o["runs"]) for o in other if o["dirty"])}
+
+
+# ------------------------------------------------------------------------------------------ judging
+
+
+def observations(recs: list[dict], value: Callable[[dict], float | None],
+                 digest: Callable[[dict], Any]) -> list[Obs]:
+    """Finished records as observations: a record that is not ``paired`` (with its FP32 twin) is
+    left out and named; a diverged run (no finite value) counts as diverged."""
+    out = []
+    for r in recs:
+        if r.get("status") not in FINAL:
+            continue
+        v = value(r)
+        v = v if v is not None and math.isfinite(v) else None
+        why = None
+        if not r.get("paired"):
+            why = f"stale: {r['stale']}" if r.get("stale") else "not paired with its fp32 twin"
+        out.append(Obs(r["name"], r["seed"], v, digest(r), why))
+    return out
+
+
+def judge_cells(text: str, kind: str, cell: list[Obs], ref: list[Obs], margin: Margin, unit: str,
+                worse_sign: int) -> tuple[Verdict, Any]:
+    """One claim from two cells' observations: paired by seed and digest, then judged."""
+    pairs = pair(cell, ref, margin.diff)
+    v = judge(text, kind, pairs.finite, margin.value, unit, pairs.names, worse_sign)  # type: ignore[arg-type]
+    return v, pairs
+
+
+# ------------------------------------------------------------------------------------------ pilots and plans
+
+
+@dataclass
+class PlanDoc:
+    """What a plan file states: its claims, their margins, seeds and steps, its commands and cost."""
+
+    name: str
+    title: str
+    why: str
+    claims: list[dict]  # id, text, kind, cell, ref, margin, unit, seeds, steps
+    specs: list[Spec]
+    pilots: dict[str, Any] = field(default_factory=dict)  # cell -> measured cost (pilot json)
+    notes: list[str] = field(default_factory=list)
+
+
+def pilot(specs: list[Spec], runs: Path, steps: int) -> dict[str, dict[str, Any]]:
+    """One short run per cell type: ``steps`` steps (with an evaluation at the end), one thread,
+    ``nice -n 10``. Returns each cell's seconds per step (from the run's median throughput) and the
+    process's overhead (start-up and evaluation: wall time less the steps)."""
+    import torch
+
+    out = {}
+    for s in specs:
+        ov = [o for o in s.overrides if not o.startswith(("trainer.max_steps=", "trainer.eval_every=",
+                                                         "trainer.log_every="))]
+        ov += [f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.log_every={max(steps // 4, 1)}"]
+        d = runs / "pilot" / s.name
+        if d.exists():
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        t0 = time.time()
+        with open(d / "stdout.log", "w") as log:
+            rc = subprocess.call(["nice", "-n", "10", sys.executable, "-m", "mptrain", *ov, f"hydra.run.dir={d}"],
+                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.time() - t0
+        summ = read_json(d / "summary.json") or {}
+        # seconds per step from the median logging window's throughput (samples or tokens per second)
+        per_step_units = summ.get("global_batch_size", 0) * (summ.get("task", {}).get("data", {}).get("bptt") or 1
+                                                                if summ.get("throughput_unit") == "tokens" else 1)
+        step_s = per_step_units / summ["throughput"] if summ.get("throughput") else None
+        out[s.cell] = {
+            "status": summ.get("status"), "rc": rc, "steps": steps, "process_wall_s": round(wall, 2),
+            "step_s": None if step_s is None else round(step_s, 4),
+            "overhead_s": None if step_s is None else round(wall - steps * step_s, 2),
+            "metric": (summ.get("metrics") or {}).get(summ.get("primary_metric") or ""),
+            "final_loss_scale": summ.get("final_loss_scale"), "skipped_steps": summ.get("skipped_steps"),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "command": s.command,
+        }
+        print(f"pilot {s.cell}: {json.dumps(out[s.cell])}", flush=True)
+    return out
+
+
+def run_cost(spec: Spec, pilots: dict[str, Any]) -> float | None:
+    """A full run's estimated seconds from its cell's pilot: steps x seconds per step + overhead."""
+    p = pilots.get(spec.cell)
+    if not p or p.get("step_s") is None:
+        return None
+    return steps_of(spec) * p["step_s"] + max(p.get("overhead_s") or 0.0, 0.0)
+
+
+def plan_markdown(doc: PlanDoc) -> str:
+    """The plan file: every claim with its margin, seeds and steps; every run's command; the cost
+    measured by the pilots (generated from the plan's code and its pilot json)."""
+    total = [run_cost(s, doc.pilots) for s in doc.specs]
+    known = [c for c in total if c is not None]
+    cells = sorted({s.cell for s in doc.specs}, key=[s.cell for s in doc.specs].index)
+    L = [f"# Plan: {doc.title}", "",
+         f"Generated by `python scripts/study.py plan {doc.name}` from `scripts/study_plans/{doc.name}.py` and its "
+         f"pilot runs (`{doc.name}.pilot.json`). Not run yet: launch it with `python scripts/study.py run {doc.name} "
+         f"--jobs 2`, then `python scripts/study.py report {doc.name}`.", "", doc.why, "",
+         "## Claims", "",
+         "Each claim's verdict comes from the 95% t-interval of the paired (same seed, digests checked) differences "
+         "(`mptrain/verdicts.py`); every verdict is stated with the margin, seeds and steps below.", "",
+         "| claim | kind | cell | against | margin | seeds | steps |", "|---|---|---|---|---|---|---|"]
+    for c in doc.claims:
+        L.append(f"| {c['id']}: {c['text']} | {c['kind']} | {c['cell']} | {c['ref']} | ±{c['margin']} "
+                 f"({c['unit']}) | {c['seeds']} | {c['steps']} |")
+    L += ["", "## Cost (measured by one short pilot run per cell type)", "",
+          "| cell | runs | pilot: s per step | pilot: overhead per run, s | est. s per run | est. core-hours, all runs "
+          "of the cell | pilot status |", "|---|---|---|---|---|---|---|"]
+    for c in cells:
+        ss = [s for s in doc.specs if s.cell == c]
+        p = doc.pilots.get(c) or {}
+        est = run_cost(ss[0], doc.pilots)
+        hours = None if est is None else sum(run_cost(s, doc.pilots) or 0.0 for s in ss) / 3600
+        L.append(f"| {c} | {len(ss)} | {_f(p.get('step_s'), '.3f')} | {_f(p.get('overhead_s'), '.1f')} | "
+                 f"{_f(est, '.0f')} | {_f(hours, '.2f')} | {p.get('status', 'not piloted')} |")
+    n_missing = len(total) - len(known)
+    L += ["", f"In all: {len(doc.specs)} runs, about {_f(sum(known) / 3600, '.1f')} hours of one core"
+          + (f" ({n_missing} runs not estimated: no pilot of their cell)" if n_missing else "")
+          + f", or about {_f(sum(known) / 3600 / 2, '.1f')} hours of wall time at `--jobs 2` on two free cores.", ""]
+    if doc.pilots:
+        p0 = next(iter(doc.pilots.values()))
+        L += [f"Pilots: {p0.get('steps')} steps each, one thread, `nice -n 10`, on a CPU with torch capability "
+              f"{p0.get('cpu_capability')}, shared with other jobs, before issue 24's fast formats landed: the "
+              "emulated formats will cost less after it. Re-measure with `python scripts/study.py pilot "
+              f"{doc.name}`.", ""]
+    if doc.notes:
+        L += ["## Notes", "", *[f"- {n}" for n in doc.notes], ""]
+    L += ["## Commands", "", "Every run, one line each (`hydra.run.dir` is added by the harness):", "", "```"]
+    L += [s.command for s in doc.specs]
+    L += ["```", ""]
+    return "\n".join(L)
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def mean_or_none(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
