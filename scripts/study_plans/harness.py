@@ -268,16 +268,35 @@ class PlanDoc:
     specs: list[Spec]
     pilots: dict[str, Any] = field(default_factory=dict)  # cell -> measured cost (pilot json)
     notes: list[str] = field(default_factory=list)
+    known: dict[str, Any] = field(default_factory=dict)  # cell -> cost measured by earlier full runs
+    cost_as: dict[str, str] = field(default_factory=dict)  # cell -> the piloted cell it costs as much as
+
+    def cost(self, cell: str) -> dict[str, Any]:
+        c = self.cost_as.get(cell, cell)
+        return self.pilots.get(c) or self.known.get(c) or {}
 
 
-def pilot(specs: list[Spec], runs: Path, steps: int) -> dict[str, dict[str, Any]]:
-    """One short run per cell type: ``steps`` steps (with an evaluation at the end), one thread,
-    ``nice -n 10``. Returns each cell's seconds per step (from the run's median throughput) and the
-    process's overhead (start-up and evaluation: wall time less the steps)."""
+def known_cost(results: Path, rows: Callable[[dict], list[dict]], steps: int, source: str) -> dict[str, Any] | None:
+    """A cell's cost from a committed study's runs: the mean of their wall times over their steps
+    (start-up and evaluation included, so no separate overhead)."""
+    res = read_json(results)
+    walls = [w for r in rows(res or {"runs": []}) if (w := r.get("wall_time_s") or r.get("process_wall_s"))]
+    if not walls:
+        return None
+    return {"status": "completed", "step_s": round(statistics.fmean(walls) / steps, 4), "overhead_s": 0.0,
+            "runs": len(walls), "source": source}
+
+
+def pilot(specs: list[Spec], runs: Path, pilot_steps: int | dict[str, int]) -> dict[str, dict[str, Any]]:
+    """One short run per cell type: ``pilot_steps`` steps (per cell, ``"*"`` for the rest) with an
+    evaluation at the end, one thread, ``nice -n 10``. Returns each cell's seconds per step (from the
+    run's median throughput) and the process's overhead (start-up and evaluation: wall time less
+    the steps)."""
     import torch
 
     out = {}
     for s in specs:
+        steps = pilot_steps if isinstance(pilot_steps, int) else pilot_steps.get(s.cell, pilot_steps["*"])
         ov = [o for o in s.overrides if not o.startswith(("trainer.max_steps=", "trainer.eval_every=",
                                                          "trainer.log_every="))]
         ov += [f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.log_every={max(steps // 4, 1)}"]
@@ -308,9 +327,10 @@ def pilot(specs: list[Spec], runs: Path, steps: int) -> dict[str, dict[str, Any]
     return out
 
 
-def run_cost(spec: Spec, pilots: dict[str, Any]) -> float | None:
-    """A full run's estimated seconds from its cell's pilot: steps x seconds per step + overhead."""
-    p = pilots.get(spec.cell)
+def run_cost(spec: Spec, doc: PlanDoc) -> float | None:
+    """A full run's estimated seconds from its cell's pilot (or earlier runs): steps x seconds per
+    step + the per-run overhead."""
+    p = doc.cost(spec.cell)
     if not p or p.get("step_s") is None:
         return None
     return steps_of(spec) * p["step_s"] + max(p.get("overhead_s") or 0.0, 0.0)
@@ -319,7 +339,7 @@ def run_cost(spec: Spec, pilots: dict[str, Any]) -> float | None:
 def plan_markdown(doc: PlanDoc) -> str:
     """The plan file: every claim with its margin, seeds and steps; every run's command; the cost
     measured by the pilots (generated from the plan's code and its pilot json)."""
-    total = [run_cost(s, doc.pilots) for s in doc.specs]
+    total = [run_cost(s, doc) for s in doc.specs]
     known = [c for c in total if c is not None]
     cells = sorted({s.cell for s in doc.specs}, key=[s.cell for s in doc.specs].index)
     L = [f"# Plan: {doc.title}", "",
@@ -333,16 +353,20 @@ def plan_markdown(doc: PlanDoc) -> str:
     for c in doc.claims:
         L.append(f"| {c['id']}: {c['text']} | {c['kind']} | {c['cell']} | {c['ref']} | ±{c['margin']} "
                  f"({c['unit']}) | {c['seeds']} | {c['steps']} |")
-    L += ["", "## Cost (measured by one short pilot run per cell type)", "",
-          "| cell | runs | pilot: s per step | pilot: overhead per run, s | est. s per run | est. core-hours, all runs "
-          "of the cell | pilot status |", "|---|---|---|---|---|---|---|"]
+    L += ["", "## Cost", "",
+          "Per cell: seconds per step and per-run overhead from one short pilot run of the cell (or of the cell "
+          "named in *measured on*, whose GEMMs cost the same), or from the committed runs of an earlier study.", "",
+          "| cell | runs | s per step | overhead per run, s | est. s per run | est. core-hours, all runs of the cell "
+          "| measured on |", "|---|---|---|---|---|---|---|"]
     for c in cells:
         ss = [s for s in doc.specs if s.cell == c]
-        p = doc.pilots.get(c) or {}
-        est = run_cost(ss[0], doc.pilots)
-        hours = None if est is None else sum(run_cost(s, doc.pilots) or 0.0 for s in ss) / 3600
+        p = doc.cost(c)
+        est = run_cost(ss[0], doc)
+        hours = None if est is None else sum(run_cost(s, doc) or 0.0 for s in ss) / 3600
+        src = p.get("source") or (f"pilot of {doc.cost_as.get(c, c)}: {p.get('steps')} steps, {p.get('status')}"
+                                  if p else "not measured")
         L.append(f"| {c} | {len(ss)} | {_f(p.get('step_s'), '.3f')} | {_f(p.get('overhead_s'), '.1f')} | "
-                 f"{_f(est, '.0f')} | {_f(hours, '.2f')} | {p.get('status', 'not piloted')} |")
+                 f"{_f(est, '.0f')} | {_f(hours, '.2f')} | {src} |")
     n_missing = len(total) - len(known)
     L += ["", f"In all: {len(doc.specs)} runs, about {_f(sum(known) / 3600, '.1f')} hours of one core"
           + (f" ({n_missing} runs not estimated: no pilot of their cell)" if n_missing else "")
@@ -367,3 +391,134 @@ def _f(x: float | None, spec: str) -> str:
 
 def mean_or_none(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
+
+
+# ------------------------------------------------------------------------------------------ plans' claims
+
+
+@dataclass(frozen=True)
+class Claim:
+    """One claim of a plan: ``cell`` against ``ref`` (same group, paired by seed and digest)."""
+
+    id: str
+    text: str
+    kind: str  # equivalent | worse
+    cell: str
+    ref: str
+    margin: Margin
+    metric: str  # the summary's metric: ppl (lower is better) or top1 (higher is better)
+    group: str = ""
+    error_ratio: float | None = None  # accuracies: also judged on the error-rate ratio, within this
+
+    @property
+    def unit(self) -> str:
+        return self.margin.unit(self.metric)
+
+    @property
+    def worse_sign(self) -> int:
+        return -1 if self.metric in ("top1", "top5") else 1
+
+
+def generic_record(spec: Spec, run_dir: Path, code: CodeState | None = None) -> dict:
+    """A run's row for a plan whose claims read the summary's metrics (the part-3 plans)."""
+    base, summary = base_record(spec, run_dir, code)
+    r = {**base, "group": spec.group, "part": spec.part}
+    if summary is None:
+        return r
+    scaler = next(iter((summary.get("loss_scale_state") or {}).values()), {}) or {}
+    r.update(steps=summary.get("steps"), metrics=summary.get("metrics") or {}, loss_scale=summary.get("loss_scale"),
+             final_loss_scale=summary.get("final_loss_scale"), skipped_steps=summary.get("skipped_steps"),
+             floor_binds=scaler.get("floor_binds"), injected_overflows=scaler.get("injected_overflows"),
+             wall_time_s=summary.get("wall_time_s"), pairing_digests=summary.get("pairing"),
+             low_precision_flop_fraction=(summary.get("precision_plan") or {}).get("low_precision_flop_fraction"))
+    return r
+
+
+def _digest(r: dict) -> tuple | None:
+    d = r.get("pairing_digests")
+    return tuple(sorted(d.items())) if d else None
+
+
+def judge_plan(recs: list[dict], claims: list[Claim], steps: dict[str, int]) -> list[dict]:
+    """Every claim of a plan, paired and judged; Holm over the plan's claims, and separately over
+    its error-ratio parts. ``steps``: each cell's steps, stated beside its verdict."""
+    from mptrain.verdicts import holm, holm_parts, log_error_ratio
+
+    mark_pairing(recs, _digest, lambda r: r.get("group", ""))
+    out, ratios = [], []
+    for c in claims:
+        def obs(cell: str, c: Claim = c) -> list[Obs]:
+            rows = [r for r in recs if r["cell"] == cell and r.get("group", "") == c.group]
+            return observations(rows, lambda r: (r.get("metrics") or {}).get(c.metric), _digest)
+
+        v, pairs = judge_cells(c.text, c.kind, obs(c.cell), obs(c.ref), c.margin, c.unit, c.worse_sign)
+        out.append({**v.as_dict(), "id": c.id, "cell": c.cell, "ref": c.ref, "margin_text": str(c.margin),
+                    "steps": steps.get(c.cell), "seeds": pairs.seeds, "left_out": pairs.unpaired,
+                    "diverged_seeds": pairs.diverged})
+        if c.error_ratio:
+            rp = pair(obs(c.cell), obs(c.ref), log_error_ratio)
+            rv = judge(f"{c.text} (error-rate ratio within x{c.error_ratio:g})", c.kind, rp.finite,
+                       math.log(c.error_ratio), "log error ratio", rp.names, +1)  # type: ignore[arg-type]
+            ratios.append({**rv.as_dict(), "id": c.id + "/error_ratio", "cell": c.cell, "ref": c.ref,
+                           "margin_text": f"x{c.error_ratio:g}", "steps": steps.get(c.cell), "seeds": rp.seeds,
+                           "ratio": [math.exp(x) if math.isfinite(x) else None for x in (rv.effect, *rv.ci95)]})
+    holm_parts(out)
+    for r, k in zip(ratios, holm([r["p_value"] for r in ratios]), strict=True):
+        r["holm"] = bool(k and r["verdict"] != "inconclusive")
+    return out + ratios
+
+
+def verdict_markdown(title: str, results: dict) -> str:
+    """A plan's README: every verdict with its margin, seeds and steps, then provenance."""
+    f = lambda x, s="+.2f": _f(x, s)  # noqa: E731
+    L = [f"# {title}", "", f"Generated by `python scripts/study.py report {results['plan']}` on {results['date']} from "
+         "`results.json` (every figure below is read from it). Each verdict: the 95% t-interval of the paired "
+         "(same seed, digests checked) differences against the margin (`mptrain/verdicts.py`); Holm over the "
+         "plan's claims at 2.5% family-wise, and separately over its error-rate ratios.", "",
+         "| claim | verdict | effect [95% CI] | margin | seeds | steps | p | survives Holm | left out |",
+         "|---|---|---|---|---|---|---|---|---|"]
+    for c in results["claims"]:
+        lo, hi = c["ci95"]
+        eff = (f"×{f(c['ratio'][0], '.2f')} [{f(c['ratio'][1], '.2f')}, {f(c['ratio'][2], '.2f')}]" if "ratio" in c
+               else f"{f(c['effect'])} [{f(lo)}, {f(hi)}] {c['unit']}")
+        L.append(f"| {c['id']}: {c['claim']} | **{c['verdict']}** | {eff} | ±{c['margin_text']} | {c['n_seeds']} | "
+                 f"{c['steps']} | {f(c['p_value'], '.2g')} | {'yes' if c['holm'] else 'no'} | "
+                 f"{len(c.get('left_out') or [])} |")
+    prov = results["provenance"]
+    L += ["", "## Provenance", "", f"{prov['at_study_commit']} of {prov['runs']} runs at commit "
+          f"{str(prov['study_commit'])[:12]}; not at it: {prov.get('not_at_study_commit', 0)} "
+          f"({prov.get('from_uncommitted_trees', 0)} from uncommitted trees).", ""]
+    return "\n".join(L)
+
+
+def generic_report(name: str, title: str, specs: list[Spec], claims: list[Claim], runs: Path, out: Path,
+                   code: CodeState | None) -> dict:
+    """results.json and README.md of a plan whose claims read the summaries' metrics."""
+    import platform
+    from datetime import date
+
+    import torch
+
+    recs = [generic_record(s, runs / s.name, code) for s in specs]
+    steps = {s.cell: steps_of(s) for s in specs}
+    results = {"plan": name, "date": date.today().isoformat(),
+               "machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+                           "python": platform.python_version(), "cores": os.cpu_count()},
+               "claims": judge_plan(recs, claims, steps), "provenance": provenance(recs), "runs": recs}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "README.md").write_text(verdict_markdown(title, results) + "\n")
+    return results
+
+
+def claim_rows(claims: list[Claim], specs: list[Spec]) -> list[dict]:
+    """The plan file's claim table: each claim with its margin, seeds and steps."""
+    rows = []
+    for c in claims:
+        seeds = sorted({s.seed for s in specs if s.cell == c.cell and s.group == c.group})
+        steps = sorted({steps_of(s) for s in specs if s.cell == c.cell and s.group == c.group})
+        margin = str(c.margin) + (f" and error ratio ×{c.error_ratio:g}" if c.error_ratio else "")
+        rows.append({"id": c.id, "text": c.text, "kind": "parity" if c.kind == "equivalent" else "worse by more than",
+                     "cell": c.cell, "ref": c.ref, "margin": margin, "unit": c.unit, "seeds": len(seeds),
+                     "steps": ", ".join(map(str, steps))})
+    return rows
