@@ -3,6 +3,7 @@
 
     python scripts/study.py list                               # the plans and what each has
     python scripts/study.py run PLAN [--quick] [--jobs 2]      # its runs (stamped; current ones cached)
+    python scripts/study.py run cnn_hard --stage search        # a plan's stage before its claims' runs
     python scripts/study.py report PLAN [--quick] [--partial]  # results.json, README, figures from the runs
     python scripts/study.py render PLAN                        # results.json's claims and the README again,
                                                                # from results.json alone (no run dirs)
@@ -38,13 +39,16 @@ def runs_dir(plan: str, quick: bool) -> Path:
     return RUNS / plan / ("quick" if quick else "full")
 
 
-def cmd_run(plan: str, quick: bool, jobs: int, rerun_stale: bool, keep_stale: bool) -> None:
+def cmd_run(plan: str, quick: bool, jobs: int, rerun_stale: bool, keep_stale: bool, stage: str | None = None) -> None:
     mod = load(plan)
     code = CodeState.current()
     if code.dirty and not quick:
         raise SystemExit("uncommitted changes under mptrain/, configs/ or pyproject.toml: commit them first, so "
                          "that each run's stamp says what code trained it")
-    run_specs(mod.specs(quick), runs_dir(plan, quick), jobs, rerun_stale or quick, keep_stale, code)
+    if stage is not None and not hasattr(mod, "stage_specs"):
+        raise SystemExit(f"plan {plan!r} has no stages")
+    specs = mod.stage_specs(stage) if stage is not None else mod.specs(quick)
+    run_specs(specs, runs_dir(plan, quick), jobs, rerun_stale or quick, keep_stale, code)
 
 
 def cmd_report(plan: str, quick: bool, partial: bool) -> None:
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun-stale", action="store_true", help="train again the cached runs of other code")
     ap.add_argument("--keep-stale", action="store_true",
                     help="keep cached runs of other code: reported stale, left out of every claim")
+    ap.add_argument("--stage", default=None, help="run: a stage before the claims' runs (cnn_hard: search)")
     ap.add_argument("--partial", action="store_true",
                     help="report with runs missing (to runs/study/<plan>/full/report, never docs/results)")
     args = ap.parse_args(argv)
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for plan in plans:
             if args.command in ("run", "all"):
-                cmd_run(plan, args.quick, args.jobs, args.rerun_stale, args.keep_stale)
+                cmd_run(plan, args.quick, args.jobs, args.rerun_stale, args.keep_stale, args.stage)
             if args.command in ("report", "all"):
                 cmd_report(plan, args.quick, args.partial)
             if args.command == "render":

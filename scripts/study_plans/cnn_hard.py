@@ -1,6 +1,7 @@
 """Plan ``cnn_hard`` (issue 27, part 3): CNN parity where FP32 is not at the ceiling.
 
-    python scripts/study.py run cnn_hard --jobs 2   # stage 1 first: see RECIPE_SEARCH below
+    python scripts/study.py run cnn_hard --stage search   # stage 1: the recipe (FP32 only)
+    python scripts/study.py run cnn_hard --jobs 2         # stage 2, once RECIPE is set from stage 1
     python scripts/study.py report cnn_hard
 
 Plan ``papers``' AlexNet/8 proxy ends FP32 at 99.65%, where a 0.5-point margin lets a cell make
@@ -65,6 +66,12 @@ def spec(cell: str, seed: int, recipe: tuple = RECIPE) -> Spec:
 
 def search_specs() -> list[Spec]:
     return [spec("fp32", 0, r) for r in RECIPE_SEARCH]
+
+
+def stage_specs(stage: str) -> list[Spec]:
+    if stage != "search":
+        raise SystemExit(f"--stage {stage}: plan {NAME} has one stage before its claims: search")
+    return search_specs()
 
 
 def specs(quick: bool = False) -> list[Spec]:
@@ -142,7 +149,8 @@ def plan_doc() -> PlanDoc:
         "Stage 1 (recipe search, FP32 only, seed 0, then 5 seeds of the first candidate in range): "
         + "; ".join(f"`{n}`: {' '.join(ov)}, {st} steps (best possible accuracy on its validation images "
                     f"{bayes_accuracy(ov):.1f}%)" for n, ov, st in RECIPE_SEARCH)
-        + ". Commands: as stage 2's fp32 runs with the candidate's overrides (`search_specs()`).",
+        + ". Their commands are the first block below; the 5-seed check of the chosen one changes only "
+        "`trainer.seed`. The batch-128 candidate costs about 4 times as much per step.",
         f"Acceptance for a recipe: FP32 mean val top-1 in 85-95% over 5 seeds, seed std at most 1 point, every "
         f"seed past chance by half the run. Until then RECIPE is the first candidate (`{RECIPE[0]}`), and stage 2's "
         "commands and costs below are for it.",
@@ -150,7 +158,12 @@ def plan_doc() -> PlanDoc:
         "error rate (geometric mean of the paired ratios); 8 seeds each.",
     ]
     return PlanDoc(NAME, TITLE, (__doc__ or "").split("\n\n", 2)[2].strip(), claim_rows(CLAIMS, sp), sp,
-                   notes=notes, known=known_costs())
+                   notes=notes, known=known_costs(),
+                   stages=[("Stage 1, the recipe search (`python scripts/study.py run cnn_hard --stage search`): each "
+                            "candidate's FP32 run on seed 0", search_specs())],
+                   launch="run stage 1 first (`python scripts/study.py run cnn_hard --stage search`) and set RECIPE "
+                   "from it; then `python scripts/study.py run cnn_hard --jobs 2` and `python scripts/study.py report "
+                   "cnn_hard`.")
 
 
 def report(runs: Path, out: Path, quick: bool, code: CodeState) -> dict:
