@@ -291,7 +291,8 @@ def test_inject_overflow_in_a_run_and_a_bad_step(tmp_path):
     from mptrain.config import validate
 
     s = run_job(tmp_path / "run", *tiny("alexnet", "trainer.max_steps=3", "trainer.eval_every=3"),
-                "precision=amp_fp16", "loss_scale=dynamic", "loss_scale.init_scale=1024", "loss_scale.inject_overflow=[2]")
+                "precision=amp_fp16", "loss_scale=dynamic", "loss_scale.init_scale=1024",
+                "loss_scale.inject_overflow=[2]")
     assert s["skipped_steps"] == 1 and s["final_loss_scale"] == 512.0
     assert s["loss_scale_state"]["model"]["injected_overflows"] == 1
     with pytest.raises(MptrainError, match=r"loss_scale.inject_overflow: 0 is not a step number \(>= 1"):
