@@ -197,6 +197,7 @@ def verdict_rows(
         rows.append(_row(label[c], label[ref], rs, cells[ref], metric, margin, claim, sign, ratio_margin))
     if not rows:
         raise MptrainError(f"every cell is a {baseline} baseline: nothing to compare with it")
+    rows.sort(key=lambda r: (r.baseline, r.cell))  # each baseline's cells together, in a stable order
     for family in (lambda r: r.verdict, lambda r: r.ratio):
         vs = [family(r) for r in rows if family(r) is not None]
         keep = holm([v.p_value for v in vs])
