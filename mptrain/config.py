@@ -184,6 +184,9 @@ class LossScaleConfig:
 @dataclass
 class StaticLossScaleConfig(LossScaleConfig):
     scale: float = 128.0
+    # steps (from 1) whose gradients count as overflowed: skipped, and the policy reacts (issue 27's
+    # positive controls: a floor only shows what it prevents when overflows happen)
+    inject_overflow: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -198,6 +201,7 @@ class DynamicLossScaleConfig(LossScaleConfig):
     min_scale: float | None = None  # floor; see on_min_scale
     on_min_scale: str = "clamp"  # clamp | error (stop the run instead of collapsing silently)
     max_scale: float | None = None  # cap (Apex uses 2**24)
+    inject_overflow: list[int] = field(default_factory=list)  # steps (from 1) treated as overflowed; see static
 
 
 @dataclass
@@ -565,6 +569,10 @@ def validate(cfg: DictConfig) -> None:
                 ls.min_scale <= ls.max_scale,
                 f"loss_scale.min_scale={ls.min_scale} is above loss_scale.max_scale={ls.max_scale}",
             )
+    if ls.name in ("static", "dynamic", "enhanced"):
+        for step in ls.inject_overflow:
+            check(isinstance(step, int) and not isinstance(step, bool) and step >= 1,
+                  f"loss_scale.inject_overflow: {step!r} is not a step number (>= 1, as the logs count steps)")
     if ls.name == "enhanced":
         for step, floor in ls.min_scale_schedule.items():
             check(

@@ -2,12 +2,15 @@
 
     mptrain-report runs/paper_table1/2026-01-01_12-00-00
     mptrain-report runs/a runs/b --out reports/
+    mptrain-report runs/multirun/<stamp> --verdicts --margin 1%     # paired verdicts over seeds
 
 Every ``summary.json`` below the given directories is one run. Each run is compared with the FP32
 run of the same model and data (final metric difference, speedup, peak-memory ratio), and the
 table is printed, then written as ``report.md`` and ``report.csv`` next to ``report.png``, which
 overlays the runs' ``train/loss`` and ``train/loss_scale`` curves read from their TensorBoard
-events. Bad input gets one line on stderr and exit status 2.
+events. With ``--verdicts``, each precision cell of a multi-seed sweep is judged against its FP32
+baseline instead, from seeds paired by digest (mptrain/sweep.py): verdicts.md, verdicts.csv and
+verdicts.png. Bad input gets one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -300,13 +303,51 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None,
                         help="where report.md, report.csv and report.png go (default: the first DIR)")
     parser.add_argument("--no-plot", action="store_true", help="skip the TensorBoard curves and the PNG")
+    v = parser.add_argument_group("verdicts (--verdicts): each cell against its fp32 baseline, over paired seeds")
+    v.add_argument("--verdicts", action="store_true",
+                   help="judge every precision cell against its fp32 cell: verdicts.md, verdicts.csv, verdicts.png")
+    v.add_argument("--margin", default=None,
+                   help="the claim's margin: relative to the baseline with %% (1%%) or absolute in the metric's unit "
+                   "(0.5: points of top-1); required with --verdicts")
+    v.add_argument("--claim", choices=("parity", "worse"), default="parity",
+                   help="parity: the cell matches fp32 within ±margin (default); worse: it is worse by more than it")
+    v.add_argument("--metric", default=None, help="the metric to compare (default: the runs' primary metric)")
+    v.add_argument("--better", choices=("higher", "lower"), default=None,
+                   help="which direction of --metric is better (known for top1, ppl, loss...)")
+    v.add_argument("--baseline", default="fp32", help="the baseline cells' precision (default fp32)")
+    v.add_argument("--error-ratio-margin", type=float, default=1.1,
+                   help="accuracies: the margin on the error-rate ratio to the baseline (default 1.1: parity when "
+                   "the error rate is within [1/1.1, 1.1] times the baseline's)")
     return parser.parse_args(argv)
+
+
+def verdicts_main(args: argparse.Namespace) -> list[Path]:
+    """``--verdicts``: the paired verdict table of the sweep (mptrain/sweep.py)."""
+    from mptrain import sweep
+    from mptrain.verdicts import Margin
+
+    if args.margin is None:
+        raise MptrainError("--verdicts needs --margin: relative with % (--margin 1%) or absolute (--margin 0.5)")
+    if not args.error_ratio_margin > 1:
+        raise MptrainError(f"--error-ratio-margin {args.error_ratio_margin}: must be > 1 (e.g. 1.1)")
+    margin = Margin.parse(args.margin)
+    runs = sweep.read_sweep(find_summaries(args.dirs))
+    rows = sweep.verdict_rows(runs, margin, metric=args.metric, claim=args.claim, baseline=args.baseline,
+                              better=args.better, ratio_margin=args.error_ratio_margin)
+    written = sweep.write_outputs(rows, args.out or args.dirs[0], plot=not args.no_plot)
+    sweep.print_table(rows)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (0, or 2 on bad input)."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.verdicts:
+            print("wrote " + ", ".join(str(p) for p in verdicts_main(args)))
+            return 0
+        if args.margin is not None:
+            raise MptrainError("--margin is a --verdicts option: add --verdicts")
         runs = load_runs(find_summaries(args.dirs), curves=not args.no_plot)
         rows = build_rows(runs)
         out = args.out or args.dirs[0]

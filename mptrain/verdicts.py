@@ -15,16 +15,24 @@ Anything else is ``inconclusive``, and :func:`seeds_to_decide` says how many see
 if the mean and the spread stayed as measured. That assumes the observed mean is the true one, so
 :func:`seeds_if_equal` also says how many an equivalence verdict needs if the true difference were
 0 (issue 18). Each part's interval is a one-sided test at 2.5%; :func:`p_value` gives that test's
-p-value and :func:`holm` corrects them over every part of the study at once. Used by
-``scripts/study.py``; no torch needed.
+p-value and :func:`holm` corrects them over every part of the study at once.
+
+Which runs enter a claim is :func:`pair`'s: one run of the treatment and one of the reference per
+seed, with equal pairing digests; a :class:`Margin` turns each pair into the claim's difference
+(points, or % of the reference), and :func:`log_error_ratio` into the log of an accuracy's
+error-rate ratio. ``mptrain-report --verdicts`` (mptrain/sweep.py) and the study harness
+(``scripts/study.py``) both judge through these; no torch needed.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import asdict, dataclass, field
 from typing import Literal
+
+from mptrain.errors import MptrainError
 
 Kind = Literal["equivalent", "worse"]
 HOLDS, FAILS, OPEN = "holds", "does not hold", "inconclusive"
@@ -204,3 +212,116 @@ def combine(verdicts: list[str]) -> str:
     if verdicts and all(v == HOLDS for v in verdicts):
         return HOLDS
     return OPEN
+
+
+# ------------------------------------------------------------------------------------ margins and pairs
+
+
+@dataclass(frozen=True)
+class Margin:
+    """A claim's margin: ``relative`` in % of the reference's value (``1%``), else absolute in the
+    metric's own unit (``0.5``: points of top-1)."""
+
+    value: float
+    relative: bool = False
+
+    @classmethod
+    def parse(cls, text: str | float) -> Margin:
+        s = str(text).strip()
+        rel = s.endswith("%")
+        try:
+            v = float(s[:-1] if rel else s)
+        except ValueError:
+            v = math.nan
+        if not (math.isfinite(v) and v > 0):
+            raise MptrainError(f"--margin {text}: must be a positive number, relative with % (1%) or absolute (0.5)")
+        return cls(v, rel)
+
+    def diff(self, x: float, ref: float) -> float:
+        """The paired difference in the margin's unit: 100 (x / ref - 1), or x - ref."""
+        return 100 * (x / ref - 1) if self.relative else x - ref
+
+    def unit(self, metric: str) -> str:
+        if self.relative:
+            return f"% {metric}"
+        return "points top-1" if metric == "top1" else metric
+
+    def __str__(self) -> str:
+        return f"{self.value:g}%" if self.relative else f"{self.value:g}"
+
+
+def log_error_ratio(acc: float, ref_acc: float, full: float = 100.0) -> float | None:
+    """ln(error / reference error) for accuracies in % (error = full - accuracy): near 100% an
+    absolute margin says little, a ratio of errors does. None when either error is 0."""
+    err, ref = full - acc, full - ref_acc
+    return math.log(err / ref) if err > 0 and ref > 0 else None
+
+
+@dataclass
+class Obs:
+    """One run's observation, as a paired comparison needs it."""
+
+    name: str
+    seed: int
+    value: float | None  # the metric; None when the run has no finite one (it diverged)
+    digest: Hashable | None  # its pairing digests; None: it cannot be paired
+    left_out: str | None = None  # why it may not enter any claim (stale, another commit, failed)
+
+
+@dataclass
+class Pairs:
+    """The seeds where the treatment and the reference are paired, and what was left out."""
+
+    seeds: list[int] = field(default_factory=list)
+    diffs: list[float] = field(default_factory=list)  # +inf where the treatment diverged
+    names: list[str] = field(default_factory=list)  # [treatment, reference] per seed
+    diverged: list[int] = field(default_factory=list)  # seeds where the treatment has no finite value
+    unpaired: list[str] = field(default_factory=list)  # "name (why)" of every run left out
+
+    @property
+    def finite(self) -> list[float]:
+        return [] if self.diverged else self.diffs
+
+
+def pair(cell: list[Obs], ref: list[Obs], diff: Callable[[float, float], float | None]) -> Pairs:
+    """Per seed with one run of each: both may enter, their digests are equal, and the reference has
+    a value. ``diff(x, ref)`` is the claim's difference (None: not defined for this pair, e.g. an
+    error ratio with a zero error: left out and named). A treatment without a finite value counts as
+    +inf (it diverged where the reference did not): its claim gets no interval."""
+    out = Pairs()
+    by_ref = {o.seed: o for o in ref}
+    for o in sorted(cell, key=lambda o: o.seed):
+        r = by_ref.get(o.seed)
+        why = (o.left_out or (f"its reference {r.name} is left out: {r.left_out}" if r and r.left_out else None)
+               or ("no reference run of its seed" if r is None else None)
+               or ("no pairing digests" if o.digest is None or r.digest is None else None)  # type: ignore[union-attr]
+               or (f"pairing digests differ from {r.name}'s" if o.digest != r.digest else None)  # type: ignore[union-attr]
+               or (f"{r.name} has no finite value" if r.value is None else None))  # type: ignore[union-attr]
+        if why:
+            out.unpaired.append(f"{o.name} ({why})")
+            continue
+        assert r is not None and r.value is not None
+        d = math.inf if o.value is None else diff(o.value, r.value)
+        if d is None:
+            out.unpaired.append(f"{o.name} (the difference is undefined for this pair)")
+            continue
+        if o.value is None:
+            out.diverged.append(o.seed)
+        out.seeds.append(o.seed)
+        out.diffs.append(d)
+        out.names += [o.name, r.name]
+    return out
+
+
+def holm_parts(parts: list[dict]) -> None:
+    """Set each part's ``holm``: Holm over every distinct hypothesis (a part that two claims share
+    counts once: same kind, margin and runs), at 2.5% family-wise, the one-sided level each 95%
+    interval uses; a decided part survives when its p-value passes."""
+    keys: dict[tuple, float] = {}
+    for p in parts:
+        keys.setdefault((p["kind"], p["margin"], tuple(p["runs"])), p["p_value"])
+    order = list(keys)
+    keep = dict(zip(order, holm([keys[k] for k in order]), strict=True))
+    for p in parts:
+        decided = p["verdict"] not in (OPEN, "not measured")
+        p["holm"] = bool(decided and keep[(p["kind"], p["margin"], tuple(p["runs"]))])

@@ -240,3 +240,60 @@ def test_auto_on_fp8_uses_enhanced_with_its_rising_floor():
         auto.steps_done = step
         floors.append(auto.current_floor())
     assert floors == [1.0, 1.0, 64.0, 64.0, 512.0]  # it rises: not a constant floor of 1
+
+
+# ------------------------------------------------------------------------------------------ injected overflow
+
+
+def test_an_injected_overflow_is_what_gradscaler_does_with_a_real_inf():
+    """loss_scale.inject_overflow (issue 27): the step is skipped and the policy backs off exactly as
+    torch.amp.GradScaler does when that step's gradient really is Inf."""
+    real = [False, True, False, False, True, False, False, False]
+    injected = [i + 1 for i, o in enumerate(real) if o]
+    scaler = DynamicScaler(CPU, init_scale=2.0**10, growth_interval=3, inject_overflow=injected)
+    scales, infs, values = drive(scaler, [False] * len(real))
+    assert scales == torch_reference(real, init_scale=2.0**10, growth_interval=3)
+    assert infs == [float(o) for o in real]
+    _, _, real_values = drive(DynamicScaler(CPU, init_scale=2.0**10, growth_interval=3), real)
+    assert values == pytest.approx(real_values)  # the same steps were skipped
+    assert scaler.summary()["injected_overflows"] == 2
+    static = StaticScaler(CPU, scale=8.0, inject_overflow=[2])
+    assert drive(static, [False, False, False])[1:] == ([0.0, 1.0, 0.0], pytest.approx([0.9, 0.9, 0.8]))
+
+
+def test_a_floor_holds_the_scale_through_an_injected_storm():
+    storm = list(range(3, 11))  # 8 overflows in a row: dynamic halves the scale on each
+    floor = EnhancedScaler(CPU, min_scale_schedule={0: 2.0**7}, init_scale=2.0**10, growth_interval=100,
+                           inject_overflow=storm)
+    bare = DynamicScaler(CPU, init_scale=2.0**10, growth_interval=100, inject_overflow=storm)
+    s_floor, _, _ = drive(floor, [False] * 12)
+    s_bare, _, _ = drive(bare, [False] * 12)
+    assert s_bare[-1] == 2.0**2 and s_floor[-1] == 2.0**7
+    assert floor.summary()["floor_binds"] == 5  # the storm's last 5 back-offs would have gone below 2^7
+
+
+def test_the_injection_clock_survives_a_resume():
+    a = DynamicScaler(CPU, init_scale=64.0, inject_overflow=[3])
+    drive(a, [False, False])
+    b = DynamicScaler(CPU, init_scale=64.0, inject_overflow=[3])
+    b.load_state_dict(a.state_dict())
+    scales, infs, _ = drive(b, [False, False])
+    assert infs == [1.0, 0.0] and scales == [32.0, 32.0]
+    c = DynamicScaler(CPU, init_scale=64.0, inject_overflow=[3])
+    c.load_state_dict({k: v for k, v in a.state_dict().items() if k not in ("updates", "injected")})
+    assert drive(c, [False])[1] == [0.0]  # an older checkpoint restarts the clock from 0
+
+
+def test_inject_overflow_in_a_run_and_a_bad_step(tmp_path):
+    from conftest import run_job, tiny
+
+    from mptrain.cli import compose
+    from mptrain.config import validate
+
+    s = run_job(tmp_path / "run", *tiny("alexnet", "trainer.max_steps=3", "trainer.eval_every=3"),
+                "precision=amp_fp16", "loss_scale=dynamic", "loss_scale.init_scale=1024",
+                "loss_scale.inject_overflow=[2]")
+    assert s["skipped_steps"] == 1 and s["final_loss_scale"] == 512.0
+    assert s["loss_scale_state"]["model"]["injected_overflows"] == 1
+    with pytest.raises(MptrainError, match=r"loss_scale.inject_overflow: 0 is not a step number \(>= 1"):
+        validate(compose([*tiny("alexnet"), "loss_scale=static", "loss_scale.inject_overflow=[0]"]))

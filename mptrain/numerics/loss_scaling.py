@@ -152,13 +152,23 @@ class _GradScalerBase(LossScaler):
 
     GradScaler's own growth logic is never used: we feed it the new scale through
     ``update(new_scale=...)``, a device-to-device copy with no host sync.
+
+    ``inject_overflow`` (``loss_scale.inject_overflow``): optimizer steps, counted from 1 as the
+    logs count them, at which the gradients are treated as overflowed whatever they hold: the step
+    is skipped and the policy reacts as to a real Inf. A positive control for the policies (issue
+    27): a floor only shows what it prevents when overflows happen, and a run where none does
+    cannot tell a floor from none. No library offers this, so it is written here.
     """
 
-    def __init__(self, device: torch.device, init_scale: float) -> None:
+    def __init__(self, device: torch.device, init_scale: float, inject_overflow: list[int] | tuple[int, ...] = ()
+                 ) -> None:
         self.device = device
         self._scaler = torch.amp.GradScaler(device.type, init_scale=init_scale)
         self._scale = torch.full((), float(init_scale), device=device)
         self._found_inf = torch.zeros((), device=device)
+        self.inject_overflow = frozenset(int(s) for s in inject_overflow)
+        self.updates = 0  # optimizer steps completed (skipped ones included): the injection clock
+        self.injected = 0
 
     def scale(self, loss: Tensor) -> Tensor:
         return self._scaler.scale(loss)
@@ -167,6 +177,11 @@ class _GradScalerBase(LossScaler):
         self._scaler.unscale_(optimizer)
         # GradScaler keeps the per-device Inf/NaN flags it just computed; sum them on the device.
         flags = self._scaler._found_inf_per_device(optimizer)
+        if self.updates + 1 in self.inject_overflow:
+            # in place: GradScaler.step reads these very tensors to decide the skip
+            for f in flags.values():
+                f.fill_(1.0)
+            self.injected += 1
         if self.reduce_found_inf:
             # In place: GradScaler.step reads these very tensors. (torch's DTensor dispatch reduces
             # them too in recent releases; this is what makes it so on every release, and for any grads.)
@@ -183,6 +198,7 @@ class _GradScalerBase(LossScaler):
     def update(self) -> None:
         self._update_scale(self._found_inf)
         self._scaler.update(new_scale=self._scale)
+        self.updates += 1
 
     def _update_scale(self, found_inf: Tensor) -> None:
         """Change ``self._scale`` in place from this step's overflow flag (device ops only)."""
@@ -196,13 +212,22 @@ class _GradScalerBase(LossScaler):
         return self._found_inf
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "scale": self._scale.item()}
+        return {"policy": self.policy, "scale": self._scale.item(), "updates": self.updates,
+                "injected": self.injected}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_policy(self.policy, state)
         self._scale.fill_(state["scale"])
+        # absent from checkpoints written before issue 27: only the injection clock reads them
+        self.updates, self.injected = int(state.get("updates", 0)), int(state.get("injected", 0))
         # A fresh GradScaler starts from the restored scale (its own state is per-step only).
         self._scaler = torch.amp.GradScaler(self.device.type, init_scale=state["scale"])
+
+    def summary(self) -> dict[str, Any]:
+        out = super().summary()
+        if self.inject_overflow:
+            out["injected_overflows"] = self.injected
+        return out
 
 
 class StaticScaler(_GradScalerBase):
@@ -210,12 +235,14 @@ class StaticScaler(_GradScalerBase):
 
     policy = "static"
 
-    def __init__(self, device: torch.device, scale: float = 128.0) -> None:
-        super().__init__(device, scale)
+    def __init__(self, device: torch.device, scale: float = 128.0, inject_overflow: list[int] | tuple[int, ...] = ()
+                 ) -> None:
+        super().__init__(device, scale, inject_overflow)
 
     @classmethod
     def from_config(cls, device: torch.device, params: dict[str, Any]) -> LossScaler:
-        return cls(device, scale=float(params.get("scale", 128.0)))
+        return cls(device, scale=float(params.get("scale", 128.0)),
+                   inject_overflow=list(params.get("inject_overflow") or ()))
 
 
 class DynamicScaler(_GradScalerBase):
@@ -246,8 +273,9 @@ class DynamicScaler(_GradScalerBase):
         min_scale: float | None = None,
         on_min_scale: str = "clamp",
         max_scale: float | None = None,
+        inject_overflow: list[int] | tuple[int, ...] = (),
     ) -> None:
-        super().__init__(device, init_scale)
+        super().__init__(device, init_scale, inject_overflow)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval

@@ -1,57 +1,43 @@
-#!/usr/bin/env python
-"""The study's ``formats`` part (issue 19, section 5): today's low-precision formats against FP32 on
-a GPT-style transformer LM trained on real text (python_docs), on CPU, with paired seeds.
+"""Plan ``formats`` (issue 19, section 5): today's low-precision formats against FP32 on a GPT-style
+transformer LM trained on real text (python_docs), on CPU, with paired seeds.
 
-    python scripts/study_formats.py                 # 8 cells x 5 seeds; docs/results/formats/
-    python scripts/study_formats.py --quick         # 2 seeds, a few steps; runs/study/formats/quick/
-    python scripts/study_formats.py --seeds 3       # fewer (or more) seeds
-    python scripts/study_formats.py --report        # README.md and the plot again, from results.json only
+    python scripts/study.py run formats            # 8 cells x 5 seeds, one at a time (about 32 min)
+    python scripts/study.py report formats         # results.json, README.md, formats.png (docs/results/formats)
+    python scripts/study.py render formats         # README.md again from results.json only
 
-Cells: fp32, bf16 (amp_bf16), FP8 as Mellempudi et al. (E5M2 everywhere, no per-tensor scales,
-enhanced loss scaling), FP8 hybrid (E4M3 forward, E5M2 backward, per-tensor scaling), mxfp8, mxfp4,
-and NVFP4 with its recipe (stochastic rounding of gradients, Hadamard on wgrad, 16x16 weight tiles,
-the last 15% of GEMM layers high) and without it. Each claim is "this cell matches FP32 within 1% of
-perplexity", decided by ``mptrain.verdicts`` from the paired (same seed) differences; one more says
-that NVFP4 without its recipe's options is worse than with them.
+Cells: fp32, bf16 (amp_bf16), FP8 in Mellempudi et al.'s format (E5M2 everywhere, no per-tensor
+scales) with enhanced loss scaling, FP8 hybrid (E4M3 forward, E5M2 backward, per-tensor scaling),
+mxfp8, mxfp4, and NVFP4 with its recipe (stochastic rounding of gradients, Hadamard on wgrad, 16x16
+weight tiles, the last 15% of GEMM layers high) and without it. Each claim is "this cell matches
+FP32 within 1% of perplexity", decided by ``mptrain.verdicts`` from the paired (same seed)
+differences; one more says that NVFP4 without its recipe's options is worse than with them.
 
-Every run is ``python -m mptrain <overrides> hydra.run.dir=<runs>/<cell>/seed<k>``, one at a time,
-one thread. A finished run's summary.json is stamped with the git commit of the code that trained
-it and is reused by later invocations only when the code (mptrain/, configs/, pyproject.toml) is
-the same as now; a run from other code is refused (``--rerun-stale`` trains it again). Pairing is
-checked, not assumed: each run's ``pairing.init_digest`` (the initial weights
-touches them) and data fingerprint must equal its seed's FP32 run's, or the run is left out of
-the paired differences and marked ``paired: false``.
-
-``formats_part()`` is the entry point for ``scripts/study.py formats``. Every number of the
-generated README comes from results.json (``render_readme``).
+Runs, stamps and caching are the harness's (study_plans/harness.py). Pairing is checked, not
+assumed: each run's ``pairing.init_digest`` (the initial weights) and data fingerprint must equal
+its seed's FP32 run's, or the run is left out of the paired differences and marked
+``paired: false``. Every number of the generated README comes from results.json
+(``render_readme``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
 import os
 import platform
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from mptrain.verdicts import FAILS, HOLDS, OPEN, Margin, combine, judge, pair, t_quantile
+from study_plans.harness import DOCS as DOCS_ROOT
+from study_plans.harness import FINAL, ROOT, CodeState, Spec, base_record, observations, read_json, steps_of
 
-from mptrain.verdicts import FAILS, HOLDS, OPEN, combine, judge, t_quantile  # noqa: E402
-
-DOCS = ROOT / "docs" / "results" / "formats"
-RUNS = ROOT / "runs" / "study" / "formats"
-CODE_PATHS = ("mptrain", "configs", "pyproject.toml")  # what a cached run's numbers depend on
-FINAL = ("completed", "diverged")  # a diverged run is a result too, not a failure to redo
+NAME = "formats"
+DOCS = DOCS_ROOT / "formats"
 
 # ------------------------------------------------------------------------------------------ design
 
@@ -87,8 +73,8 @@ _NVFP4_PLAIN = ("precision.stochastic_rounding=false", "precision.hadamard=false
 CELLS: dict[str, Cell] = {c.name: c for c in (
     Cell("fp32", "FP32, TF32 off (the reference)", ("precision=fp32",)),
     Cell("bf16", "bf16 autocast, FP32 weights, no loss scaling", ("precision=amp_bf16", "loss_scale=none")),
-    Cell("fp8_e5m2", "FP8 as Mellempudi et al.: E5M2 everywhere, no per-tensor scales, FP16 masters, "
-         "stochastic rounding, enhanced loss scaling",
+    Cell("fp8_e5m2", "FP8 in Mellempudi et al.'s format: E5M2 everywhere, no per-tensor scales, FP16 masters, "
+         "stochastic rounding; enhanced loss scaling (its scale never moved here: see Limits)",
          ("precision=fp8", "precision.format=e5m2", "precision.scaling=loss", "loss_scale=enhanced")),
     Cell("fp8_hybrid", "FP8 hybrid: E4M3 forward, E5M2 backward, per-tensor power-of-two scales "
          "(current scaling), FP16 masters, stochastic rounding; no loss scale (it changes nothing here)",
@@ -128,153 +114,27 @@ def enhanced_schedule(steps: int) -> list[str]:
             f"+loss_scale.min_scale_schedule.{a}=64", f"+loss_scale.min_scale_schedule.{b}=512"]
 
 
-@dataclass(frozen=True)
-class Spec:
-    cell: str
-    seed: int
-    steps: int
+def spec(cell: str, seed: int, steps: int = 80) -> Spec:
+    c = CELLS[cell]
+    ov = [*BASE, *c.overrides, f"trainer.seed={seed}", f"trainer.max_steps={steps}",
+          f"trainer.eval_every={max(steps // EVALS, 1)}", f"trainer.log_every={max(steps // 24, 1)}",
+          "trainer.device=cpu", "trainer.checkpoint_every=null", "trainer.resume=null"]
+    if "precision=mx" in c.overrides:
+        ov.append(f"precision.seed={seed}")  # SR and Hadamard streams: one per seed, shared by no other cell
+    if "loss_scale=enhanced" in c.overrides:
+        ov += enhanced_schedule(steps)
+    return Spec(f"{cell}/seed{seed}", tuple(ov), seed, cell, MODEL, NAME, cost=COST.get(cell, 3))
 
-    @property
-    def name(self) -> str:
-        return f"{self.cell}/seed{self.seed}"
 
-    @property
-    def overrides(self) -> list[str]:
-        c = CELLS[self.cell]
-        ov = [*BASE, *c.overrides, f"trainer.seed={self.seed}", f"trainer.max_steps={self.steps}",
-              f"trainer.eval_every={max(self.steps // EVALS, 1)}", f"trainer.log_every={max(self.steps // 24, 1)}",
-              "trainer.device=cpu", "trainer.checkpoint_every=null", "trainer.resume=null"]
-        if "precision=mx" in c.overrides:
-            ov.append(f"precision.seed={self.seed}")  # SR and Hadamard streams: one per seed, shared by no other cell
-        if "loss_scale=enhanced" in c.overrides:
-            ov += enhanced_schedule(self.steps)
-        return ov
-
-    @property
-    def command(self) -> str:
-        return "python -m mptrain " + " ".join(self.overrides)
+# Relative cost per step (measured: see above): the long runs go first.
+COST = {"fp32": 1, "bf16": 1, "fp8_e5m2": 3, "fp8_hybrid": 3, "mxfp8": 3, "nvfp4": 3, "mxfp4": 6, "nvfp4_plain": 6}
 
 
 def specs(quick: bool = False, n_seeds: int | None = None) -> list[Spec]:
     """Seed-major: every cell of seed 0, then seed 1, ... so a stopped part leaves complete pairs."""
     n = n_seeds or (2 if quick else 5)
     steps = QUICK_STEPS if quick else STEPS
-    return [Spec(c, s, steps) for s in range(n) for c in CELLS]
-
-
-# ------------------------------------------------------------------------------------------ code stamp
-
-
-class StaleRunError(RuntimeError):
-    """A cached run was trained by other code than the working tree's."""
-
-
-def _git(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-
-
-@dataclass(frozen=True)
-class CodeState:
-    commit: str
-    dirty: bool  # uncommitted changes under CODE_PATHS: the commit does not describe the code
-
-    @classmethod
-    def current(cls) -> CodeState:
-        head = _git("rev-parse", "HEAD")
-        if head.returncode != 0:
-            raise RuntimeError(f"git rev-parse HEAD failed in {ROOT}: the runs need a commit to be stamped with")
-        dirty = _git("status", "--porcelain", "--", *CODE_PATHS).stdout.strip() != ""
-        return cls(head.stdout.strip(), dirty)
-
-    def stamp(self) -> dict[str, Any]:
-        return {"commit": self.commit, "code_dirty": self.dirty}
-
-    def same_code(self, stamp: dict[str, Any]) -> bool:
-        """The stamped run was trained by this code: the same commit, or a commit whose CODE_PATHS
-        are identical to HEAD's (a docs-only commit in between); never a dirty tree on either side."""
-        commit = stamp.get("commit")
-        if not commit or stamp.get("code_dirty", True) or self.dirty:
-            return False
-        if commit == self.commit:
-            return True
-        return _git("diff", "--quiet", commit, self.commit, "--", *CODE_PATHS).returncode == 0
-
-
-def cached_summary(spec: Spec, run_dir: Path, code: CodeState) -> dict | None:
-    """The run's summary.json when it can stand for this spec under this code; None when there is
-    nothing usable (no run, an unfinished one, other overrides): it is (re)trained. A finished run
-    stamped with other code raises StaleRunError: never reused silently."""
-    p = run_dir / "summary.json"
-    if not p.exists():
-        return None
-    try:
-        s = json.loads(p.read_text())
-    except json.JSONDecodeError:
-        return None
-    stamp = s.get("study") or {}
-    if s.get("status") not in FINAL or stamp.get("overrides") != spec.overrides:
-        return None
-    if not code.same_code(stamp):
-        raise StaleRunError(
-            f"{run_dir}: trained at commit {str(stamp.get('commit'))[:12]}"
-            f"{' (dirty tree)' if stamp.get('code_dirty') else ''}, and this tree's code "
-            f"({code.commit[:12]}{', dirty' if code.dirty else ''}) is not that code; "
-            "re-run it with --rerun-stale, or delete the run dir"
-        )
-    return s
-
-
-# ------------------------------------------------------------------------------------------ running
-
-
-def train(spec: Spec, run_dir: Path, code: CodeState) -> dict | None:
-    """One run, in its own process with one thread; its summary.json gets the study stamp."""
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)  # a stale or unfinished run: nothing of it may leak into the new one
-    run_dir.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "mptrain", *spec.overrides, f"hydra.run.dir={run_dir}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    t0 = time.time()
-    with open(run_dir / "stdout.log", "w") as log:
-        rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    wall = time.time() - t0
-    p = run_dir / "summary.json"
-    if not p.exists():
-        print(f"  {spec.name}: rc={rc}, no summary.json (see {run_dir / 'stdout.log'})", flush=True)
-        return None
-    s = json.loads(p.read_text())
-    s["study"] = {**code.stamp(), "overrides": spec.overrides, "process_wall_s": wall, "rc": rc,
-                  "script": "scripts/study_formats.py"}
-    p.write_text(json.dumps(s, indent=1, default=str) + "\n")
-    return s
-
-
-def run_all(todo: list[Spec], runs: Path, code: CodeState, rerun_stale: bool) -> dict[str, dict | None]:
-    """Every spec's summary: cached or trained now, one run at a time. Stale runs are checked for all
-    specs before anything trains, so a refusal costs nothing."""
-    have: dict[str, dict | None] = {}
-    stale: list[str] = []
-    for s in todo:
-        try:
-            have[s.name] = cached_summary(s, runs / s.name, code)
-        except StaleRunError as exc:
-            if not rerun_stale:
-                stale.append(str(exc))
-            have[s.name] = None
-    if stale:
-        raise StaleRunError(f"{len(stale)} cached run(s) from other code:\n  " + "\n  ".join(stale))
-    t0 = time.time()
-    left = [s for s in todo if have[s.name] is None]
-    print(f"{len(todo) - len(left)} of {len(todo)} runs cached; training {len(left)}", flush=True)
-    for i, s in enumerate(left):
-        have[s.name] = train(s, runs / s.name, code)
-        st = have[s.name] or {}
-        print(f"[{i + 1}/{len(left)} {time.time() - t0:7.1f}s] {s.name}: {st.get('status', 'no summary')} "
-              f"val ppl {(st.get('metrics') or {}).get('ppl', float('nan')):.3f} "
-              f"({(st.get('study') or {}).get('process_wall_s', 0):.1f}s)", flush=True)
-    return have
+    return [spec(c, s, steps) for s in range(n) for c in CELLS]
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -294,12 +154,12 @@ def _curves(run_dir: Path) -> dict[str, list]:
     return c
 
 
-def record(spec: Spec, summary: dict | None, run_dir: Path) -> dict:
+def record(spec: Spec, run_dir: Path, code: CodeState | None = None) -> dict:
+    base, summary = base_record(spec, run_dir, code)
     r: dict[str, Any] = {"cell": spec.cell, "seed": spec.seed, "name": spec.name, "command": spec.command,
-                         "overrides": spec.overrides}
+                         "overrides": list(spec.overrides)}
     if summary is None:
         return {**r, "status": "missing", "paired": False}
-    stamp = summary.get("study") or {}
     task = summary.get("task") or {}
     data = task.get("data") or {}
     plan = summary.get("precision_plan") or {}
@@ -326,9 +186,10 @@ def record(spec: Spec, summary: dict | None, run_dir: Path) -> dict:
         "precision_resolved": summary.get("precision_resolved"),
         "loss_scale": summary.get("loss_scale"),
         "wall_time_s": _finite(summary.get("wall_time_s")),
-        "process_wall_s": _finite(stamp.get("process_wall_s")),
-        "commit": stamp.get("commit"),
-        "code_dirty": stamp.get("code_dirty"),
+        "process_wall_s": _finite(base["process_wall_s"]),
+        "commit": base["commit"],
+        "code_dirty": base["code_dirty"],
+        "stale": base["stale"],
         # summary.json's pairing digests (issue 18); runs from before them carried init_digest at the top.
         "init_digest": (summary.get("pairing") or {}).get("init_digest") or summary.get("init_digest"),
         "data_fingerprint": {k: data.get(k) for k in ("name", "vocab_digest", "train_tokens", "val_tokens",
@@ -343,12 +204,12 @@ def record(spec: Spec, summary: dict | None, run_dir: Path) -> dict:
 def mark_pairing(recs: list[dict]) -> dict:
     """``paired`` per run: same init digest and data fingerprint as its seed's FP32 run (FP32 runs:
     when the digest is there). Returns the summary the README states."""
-    ref = {r["seed"]: r for r in recs if r["cell"] == REF and r.get("status") in FINAL}
+    ref = {r["seed"]: r for r in recs if r["cell"] == REF and r.get("status") in FINAL and not r.get("stale")}
     for r in recs:
         f = ref.get(r["seed"])
         r["paired"] = bool(
-            r.get("status") in FINAL and f is not None and r.get("init_digest") is not None
-            and r["init_digest"] == f.get("init_digest") and r.get("data_fingerprint") == f.get("data_fingerprint")
+            r.get("status") in FINAL and not r.get("stale") and f is not None and _digest(r) is not None
+            and _digest(r) == _digest(f)
         )
     done = [r for r in recs if r.get("status") in FINAL]
     digests = {r["seed"]: r["init_digest"] for r in ref.values()}
@@ -371,25 +232,20 @@ def mark_pairing(recs: list[dict]) -> dict:
     }
 
 
+def _digest(r: dict) -> tuple | None:
+    """What must match a run's FP32 twin: its initial weights and its data."""
+    if r.get("init_digest") is None:
+        return None
+    return r["init_digest"], json.dumps(r.get("data_fingerprint"), sort_keys=True)
+
+
 def paired_diffs(recs: list[dict], cell: str, ref: str) -> tuple[list[float], list[int], list[int], list[str]]:
     """Per seed where both runs are paired and final: 100 (ppl / ppl_ref - 1). A diverged run (or one
     with no finite perplexity) counts as +inf: no interval, so the claim stays undecided."""
-    by = {(r["cell"], r["seed"]): r for r in recs}
-    diffs, seeds, diverged, names = [], [], [], []
-    for s in sorted({r["seed"] for r in recs}):
-        a, b = by.get((cell, s)), by.get((ref, s))
-        if not a or not b or not a.get("paired") or not b.get("paired"):
-            continue
-        if b.get("val_ppl") is None:
-            continue  # the reference itself has nothing to compare with
-        if a.get("val_ppl") is None:
-            diverged.append(s)
-            diffs.append(math.inf)
-        else:
-            diffs.append(100 * (a["val_ppl"] / b["val_ppl"] - 1))
-        seeds.append(s)
-        names += [a["name"], b["name"]]
-    return diffs, seeds, diverged, names
+    obs = {c: observations([r for r in recs if r["cell"] == c], lambda r: r.get("val_ppl"), _digest)
+           for c in (cell, ref)}
+    p = pair(obs[cell], obs[ref], Margin(MARGIN, relative=True).diff)
+    return p.diffs, p.seeds, p.diverged, p.names
 
 
 def decide_claims(recs: list[dict]) -> list[dict]:
@@ -570,6 +426,47 @@ def claim_sentence(c: dict, margin: float) -> str:
     return s + "."
 
 
+def fp8_stream_sentence(res: dict) -> str:
+    """Where stochastic rounding drew its random numbers at the runs' commit (``facts`` in results.json)."""
+    own = (res.get("facts") or {}).get("fp8_own_rounding_stream")
+    mx = ("MX/NVFP4's stochastic rounding and Hadamard signs draw from generators of their own, seeded by "
+          "`precision.seed`.")
+    commits = ", ".join(c[:12] for c in res.get("commits", []))
+    if own is False:
+        return (f"{mx} FP8's stochastic rounding drew from the global RNG: these runs were made at {commits}, before "
+                "FP8 got a rounding stream of its own (`mptrain/numerics/rounding_rng.py`). With no dropout and no "
+                "shuffling nothing else draws from the global RNG, so those draws change only FP8's own rounding, "
+                "not what its FP32 twin sees.")
+    if own is True:
+        return f"{mx} FP8's draws from the run's own rounding stream (`mptrain/numerics/rounding_rng.py`)."
+    where = commits or "the runs' commit"
+    return f"{mx} Where FP8's stochastic rounding drew from at {where} is not recorded."
+
+
+def scale_lines(res: dict) -> list[str]:
+    """For each loss-scaled cell: whether its scale ever moved, from the runs' final scales, skipped
+    steps and the floor schedule in their commands (issue 27: "enhanced" never moved here)."""
+    out = []
+    for name, cell in res["cells"].items():
+        rs = [r for r in res["runs"] if r["cell"] == name and r.get("status") in FINAL]
+        if not rs or not any(o in ("loss_scale=enhanced", "loss_scale=dynamic") for o in cell["overrides"]):
+            continue
+        finals = sorted({r.get("final_loss_scale") for r in rs})
+        skipped = max(r.get("skipped_steps") or 0 for r in rs)
+        floors = sorted({(int(o.split(".")[-1].split("=")[0]), float(o.split("=")[1])) for r in rs
+                         for o in r.get("overrides", []) if o.startswith("+loss_scale.min_scale_schedule.")})
+        floor_txt = ", then ".join(f"{v:g} from step {k}" for k, v in floors) or "its config's"
+        if len(finals) == 1 and skipped == 0 and finals[0] is not None and all(v < finals[0] for _, v in floors):
+            out.append(f"- {name}'s loss scale never moved: every run ended at {finals[0]:g} with 0 skipped steps "
+                       f"(no overflow, so no back-off), its default starting scale, and its floor ({floor_txt}) "
+                       "stayed below it, so the floor never bound. Its \"enhanced\" scaling acted as a constant "
+                       "scale: these runs test E5M2 at that scale, not enhanced scaling.")
+        else:
+            out.append(f"- {name}'s loss scale ended at {', '.join(f'{f:g}' for f in finals)} with at most {skipped} "
+                       "skipped steps per run.")
+    return out
+
+
 def render_readme(res: dict) -> str:
     """The README, from results.json alone: every number below is read from ``res``."""
     d, m, p, cells = res["design"], res["machine"], res["pairing"], res["cells"]
@@ -655,8 +552,8 @@ def render_readme(res: dict) -> str:
           f"{', one per seed' if p['distinct_seed_digests'] == len(p['init_digests']) else ' (seeds share one)'}."
           " python_docs is read in the same order on every epoch and seed (no shuffling), and the model has "
           f"dropout {d.get('dropout', '—')}, so the runs of a seed see the same batches in the same order and no "
-          "dropout mask can differ (stochastic rounding draws from generators of its own, seeded from the "
-          "run's seed: MX/NVFP4 from `precision.seed`, FP8 from the run's rounding stream since issue 18). "
+          "dropout mask can differ. "
+          + fp8_stream_sentence(res) + " "
           f"The step-1 training losses of one seed's cells differ by at most "
           f"{f(p['first_step_loss_max_spread_across_cells'], '.4f')} (each format's rounding of the same forward "
           f"pass); the seeds' own step-1 losses span {f((p['first_step_loss_seed_range'] or [None])[0], '.4f')} to "
@@ -686,7 +583,7 @@ def render_readme(res: dict) -> str:
     big = firsts.get(d["reference"])
     low = [n for n, g in firsts.items() if big and g["name"] == big["name"] and g.get("low_precision")]
     high = [n for n, g in firsts.items() if big and g["name"] == big["name"] and not g.get("low_precision")]
-    L += ["## Limits", "",
+    L += ["## Limits", "", *scale_lines(res),
           "- Emulation: every low-precision value is exact (`mptrain/numerics`), but it is computed in FP32 on a CPU, "
           "so these runs say nothing about speed, and bf16 here is the CPU's bf16 autocast.",
           f"- What runs low: the share of the forward FLOPs below 16 bits per cell is in the table "
@@ -704,6 +601,9 @@ def render_readme(res: dict) -> str:
           f"{d['steps']} steps, chosen to fit the budget of one CPU core for an hour; the verdicts are about this "
           "configuration, not about long runs of large models, where format errors can accumulate differently.",
           f"- The verdicts cover {n_seeds} seeds; an inconclusive verdict says how many seeds would decide it.",
+          f"- Code: every run was made at commit {', '.join(c[:12] for c in res['commits']) or '—'}; the code has "
+          "changed since (FP8's rounding stream among it), so every cell is to be re-run at one current commit: "
+          "the like-for-like design that does so is [../plans/formats_like.md](../plans/formats_like.md).",
           ""]
     return "\n".join(L)
 
@@ -768,63 +668,45 @@ def plot(res: dict, out: Path, name: str = "formats.png") -> str:
     return name
 
 
-def write_report(res: dict, out: Path) -> None:
+def report(runs: Path, out: Path, quick: bool, code: CodeState, n_seeds: int | None = None) -> dict:
+    """results.json, README.md and formats.png from the run dirs."""
+    todo = specs(quick, n_seeds)
+    recs = [record(s, runs / s.name, code) for s in todo]
+    res = build_results(recs, steps_of(todo[0]), quick, None)
+    res["facts"] = facts(res["commits"])
     out.mkdir(parents=True, exist_ok=True)
     res["figure"] = plot(res, out)
     (out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     (out / "README.md").write_text(render_readme(res) + "\n")
-
-
-# ------------------------------------------------------------------------------------------ entry points
-
-
-def formats_part(quick: bool = False, n_seeds: int | None = None, out: Path | None = None,
-                 runs_root: Path | None = None, rerun_stale: bool = False) -> dict:
-    """Run (or reuse) every run of the part, decide its claims, write results.json, README.md and
-    the PNG; returns the results. ``scripts/study.py formats`` calls this."""
-    runs = runs_root or (RUNS / "quick" if quick else RUNS)
-    out = out or (RUNS / "quick" if quick else DOCS)
-    if quick and out.resolve().is_relative_to(DOCS.parent.resolve()):
-        raise SystemExit(f"--quick never writes under {DOCS.parent}: pick another --out")
-    code = CodeState.current()
-    if code.dirty and not quick:
-        raise SystemExit(f"uncommitted changes under {', '.join(CODE_PATHS)}: commit them first, so that the runs' "
-                         "commit stamp says what code trained them")
-    todo = specs(quick, n_seeds)
-    t0 = time.time()
-    # a quick run is cheap: its stale runs are trained again rather than refused
-    have = run_all(todo, runs, code, rerun_stale or quick)
-    recs = [record(s, have[s.name], runs / s.name) for s in todo]
-    res = build_results(recs, todo[0].steps, quick, time.time() - t0)
-    write_report(res, out)
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help=f"2 seeds, {QUICK_STEPS} steps; writes under {RUNS / 'quick'}")
-    ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 5; --quick 2)")
-    ap.add_argument("--out", type=Path, default=None, help=f"report dir (default {DOCS.relative_to(ROOT)})")
-    ap.add_argument("--runs", type=Path, default=None, help=f"run dirs (default {RUNS.relative_to(ROOT)})")
-    ap.add_argument("--rerun-stale", action="store_true", help="train again the cached runs of other code")
-    ap.add_argument("--report", action="store_true", help="README.md and the PNG from the out dir's results.json")
-    args = ap.parse_args(argv)
-    if args.report:
-        out = args.out or (RUNS / "quick" if args.quick else DOCS)
-        res = json.loads((out / "results.json").read_text())
-        write_report(res, out)
-        return 0
-    try:
-        res = formats_part(args.quick, args.seeds, args.out, args.runs, args.rerun_stale)
-    except StaleRunError as exc:
-        print(f"study_formats: {exc}", file=sys.stderr)
-        return 2
-    for c in res["claims"]:
-        print(f"{c['verdict']:>14}  {c['claim']}: {signed(c['effect'])}{c['unit']} {ci(c['ci95'])}, "
-              f"n={c['n_seeds']}")
-    print(f"runs: {mmss(res['wall']['runs_total_s'])} in all; this invocation {mmss(res['wall']['this_invocation_s'])}")
-    return 0
+def facts(commits: list[str]) -> dict[str, Any]:
+    """What the code at the runs' commits did that the runs themselves do not record: whether FP8's
+    stochastic rounding had a stream of its own (None: git cannot tell)."""
+    from study_plans.harness import _git
+
+    seen = {_git("cat-file", "-e", f"{c}:mptrain/numerics/rounding_rng.py").returncode == 0 for c in commits
+            if _git("cat-file", "-e", c).returncode == 0}
+    return {"fp8_own_rounding_stream": seen.pop() if len(seen) == 1 else None}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def render(out: Path = DOCS) -> dict:
+    """README.md again from results.json only (the figure stays as it is); the cells' labels are
+    the plan's, and ``facts`` is added when git can tell it."""
+    res = read_json(out / "results.json")
+    if res is None:
+        raise SystemExit(f"{out / 'results.json'}: not found")
+    for name, c in res["cells"].items():
+        if name in CELLS:
+            c["label"] = CELLS[name].label
+    if (res.get("facts") or {}).get("fp8_own_rounding_stream") is None:
+        res["facts"] = facts(res.get("commits") or [])
+    (out / "results.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    (out / "README.md").write_text(render_readme(res) + "\n")
+    return res
+
+
+def summary_lines(res: dict) -> list[str]:
+    return [f"{c['verdict']:>14}  {c['claim']}: {signed(c['effect'])}{c['unit']} {ci(c['ci95'])}, n={c['n_seeds']}"
+            for c in res["claims"]]

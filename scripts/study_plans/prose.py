@@ -5,7 +5,10 @@ where the gap reached 0.041, and "hundreds of seeds" where the table said 61, 64
 A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spec, default ``.2f``):
 
 - ``claim:ID:PART:FIELD``: a part of a claim. FIELD: effect, lo, hi, n_seeds, seeds_to_decide,
-  seeds_if_equal, p_value, verdict; ``claim:ID:verdict`` is the claim's verdict.
+  seeds_if_equal, p_value, verdict, survives ("survives" or "does not survive" Holm);
+  ``claim:ID:verdict`` and ``claim:ID:holm_verdict`` are the claim's verdicts.
+- ``count:FIELD:VALUE``: how many claims have FIELD (verdict, holm_verdict) equal to VALUE;
+  ``count:all`` is the number of claims.
 - ``run:NAME:DOTTED.PATH``: any field of a run's row, e.g.
   ``run:lstm_lm-fp32-tel-s0:telemetry.act_hist_zero_frac``.
 - ``cell:MODEL:CELL:STAT``: over the cell's completed runs. STAT: mean, std (of the metric), n;
@@ -19,10 +22,18 @@ A placeholder is ``{{ kind:arg:arg... | format }}`` (format: a Python format spe
   effect, lo, hi, n_seeds.
 - ``meta:DOTTED.PATH``: any other field of results.json, e.g. ``meta:machine.torch``,
   ``meta:totals.run_hours``.
-- ``table:verdicts``, ``table:epochs``: the verdict table; the per-epoch penalties.
+- ``ratio:MODEL:CELL:FIELD``: a CNN parity cell's error-rate ratio to FP32 (``error_ratios`` in
+  results.json). FIELD: ratio, lo, hi, verdict, n_seeds, p_value, margin, fp32_error,
+  abs_margin_ratio (what the absolute margin allows, as a ratio), survives (Holm over the ratios).
+- ``prov:FIELD``: results.json's ``provenance`` (e.g. ``prov:not_at_study_commit``).
+- ``table:verdicts``, ``table:epochs``, ``table:error_ratios``, ``table:provenance``,
+  ``table:without_uncommitted``: the verdict table; the per-epoch penalties; the error-rate
+  ratios; the runs not at the study's commit; the parts that change without the runs from
+  uncommitted trees.
 
 A format ending in ``u`` writes minus signs as the prose does (−), e.g. ``+.2fu``.
 
+``python scripts/study.py render papers`` writes README.md from README.template.md and results.json;
 tests/test_study.py renders the committed template against the committed results.json and
 requires README.md to be exactly that, and finds no decimal figure in the template's prose that
 is not a placeholder (a short list of constants of the method excepted).
@@ -87,7 +98,13 @@ def value(results: dict, expr: str) -> Any:
             return c[args[1]]
         p = c["parts"][int(args[1])]
         field = args[2]
-        return {"lo": lambda: p["ci95"][0], "hi": lambda: p["ci95"][1]}.get(field, lambda: p.get(field))()
+        survives = "survives" if p.get("holm") else "does not survive"
+        return {"lo": lambda: p["ci95"][0], "hi": lambda: p["ci95"][1],
+                "survives": lambda: survives}.get(field, lambda: p.get(field))()
+    if kind == "count":  # count:FIELD:VALUE over the claims, or count:all
+        if args == ["all"]:
+            return len(results["claims"])
+        return sum(c[args[0]] == args[1] for c in results["claims"])
     if kind == "run":
         r = next(r for r in results["runs"] if r["name"] == args[0])
         return _dig(r, args[1])
@@ -101,32 +118,91 @@ def value(results: dict, expr: str) -> Any:
     if kind == "epoch":  # epoch:CELL:K:FIELD, the 4-epoch LM's paired penalty after epoch K
         row = results["epochs"][args[0]][int(args[1]) - 1]
         return row[args[2]]
-    if kind == "table" and args == ["verdicts"]:
-        return "\n".join(verdict_lines(results["claims"]))
-    if kind == "table" and args == ["epochs"]:
-        return "\n".join(epochs_table(results["epochs"]))
+    if kind == "ratio":  # ratio:MODEL:CELL:FIELD, a CNN parity cell's error-rate ratio to FP32
+        row = next(r for r in results["error_ratios"] if (r["model"], r["cell"]) == (args[0], args[1]))
+        if args[2] == "survives":
+            return "survives" if row["holm"] else "does not survive"
+        return row[args[2]]
+    if kind == "prov":
+        return _dig(results["provenance"], args[0])
+    if kind == "table":
+        tables = {"verdicts": lambda: verdict_lines(results["claims"], results.get("recipes")),
+                  "epochs": lambda: epochs_table(results["epochs"]),
+                  "error_ratios": lambda: error_ratio_lines(results["error_ratios"]),
+                  "provenance": lambda: provenance_lines(results["provenance"]),
+                  "without_uncommitted": lambda: without_lines(results["provenance"]["without_uncommitted"])}
+        return "\n".join(tables[args[0]]())
     raise KeyError(f"unknown placeholder {expr!r}")
 
 
-def verdict_lines(claims: list[dict]) -> list[str]:
-    """The verdict table (README and tables.md): every part of every claim, with Holm's survival."""
+def _f(x: Any, spec: str = ".2f") -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
-    def f(x: Any, spec: str) -> str:
-        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
-    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | seeds "
+def verdict_lines(claims: list[dict], recipes: dict | None = None) -> list[str]:
+    """The verdict table (README and tables.md): every part of every claim, with its margin, seeds
+    and steps beside the verdict, and Holm's survival."""
+    f = _f
+    lines = ["| claim | part | verdict | effect (mean paired Δ) | 95% CI | margin | seeds | steps "
              "| seeds to decide (at the observed mean) | seeds if true Δ = 0 | p | survives Holm |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in claims:
         for i, p in enumerate(c["parts"]):
             lo, hi = p["ci95"]
             head = f"{c['id']} **{c['verdict']}** (Holm: {c.get('holm_verdict', '—')})" if i == 0 else ""
+            steps = ((recipes or {}).get(p["claim"].split(":")[0]) or {}).get("steps")
+            sep = "" if p["unit"].startswith("%") else " "
+            margin = "—" if p["margin"] is None or math.isnan(p["margin"]) else f"±{p['margin']:g}{sep}{p['unit']}"
             lines.append(
                 f"| {head} | {p['claim']} | {p['verdict']} | {f(p['effect'], '+.2f')} {p['unit']} | "
-                f"[{f(lo, '+.2f')}, {f(hi, '+.2f')}] | {p['n_seeds']} | {p.get('seeds_to_decide') or ''} | "
-                f"{p.get('seeds_if_equal') or ''} | {f(p.get('p_value'), '.2g')} | "
+                f"[{f(lo, '+.2f')}, {f(hi, '+.2f')}] | {margin} | {p['n_seeds']} | {steps or '—'} | "
+                f"{p.get('seeds_to_decide') or ''} | {p.get('seeds_if_equal') or ''} | {f(p.get('p_value'), '.2g')} | "
                 f"{'yes' if p.get('holm') else 'no'} |"
             )
+    return lines
+
+
+def error_ratio_lines(rows: list[dict]) -> list[str]:
+    lines = ["| recipe | cell | FP32 error, % | error ratio to FP32 (geometric mean) | 95% CI | seeds | margin "
+             "| verdict | p | survives Holm |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['cell']} | {_f(r['fp32_error'])} | ×{_f(r['ratio'])} | "
+                     f"[{_f(r['lo'])}, {_f(r['hi'])}] | {r['n_seeds']} | ×{r['margin']:g} | {r['verdict']} | "
+                     f"{_f(r['p_value'], '.2g')} | {'yes' if r['holm'] else 'no'} |")
+    return lines
+
+
+def provenance_lines(prov: dict) -> list[str]:
+    if not prov.get("other"):
+        return [f"All {prov.get('runs')} runs were trained at commit {str(prov.get('study_commit'))[:12]}."]
+    lines = [f"{prov['at_study_commit']} of {prov['runs']} runs were trained at the study's commit "
+             f"{str(prov['study_commit'])[:12]}; the runs below were not (re-run them at one commit before "
+             "relying on them):", "",
+             "| commit | uncommitted changes | code (mptrain/, configs/) as the study commit's | runs |",
+             "|---|---|---|---|"]
+    for o in prov["other"]:
+        same = {True: "yes", False: "no", None: "unknown (uncommitted tree)"}[o["code_same_as_study"]]
+        dirty = "yes" if o["dirty"] else "no"
+        lines.append(f"| {str(o['commit'])[:12]} | {dirty} | {same} | {', '.join(o['runs'])} |")
+    return lines
+
+
+
+
+def without_lines(rows: list[dict]) -> list[str]:
+    """The parts whose verdict, seeds or Holm survival change without the uncommitted-tree runs."""
+
+    def f(x: Any, spec: str = "+.2f") -> str:
+        return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    lines = ["| part | seeds: all runs → without them | verdict | survives Holm | effect [95% CI] without them |",
+             "|---|---|---|---|---|"]
+    yn = {True: "yes", False: "no"}
+    for r in rows:
+        lo, hi = r["ci95"]
+        lines.append(f"| {r['claim']}: {r['text']} | {r['n_seeds'][0]} → {r['n_seeds'][1]} | "
+                     f"{r['verdict'][0]} → {r['verdict'][1]} | {yn[r['holm'][0]]} → {yn[r['holm'][1]]} | "
+                     f"{f(r['effect'])} [{f(lo)}, {f(hi)}] |")
     return lines
 
 
