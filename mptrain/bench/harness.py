@@ -32,6 +32,7 @@ from torch import Tensor
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
+from mptrain.numerics.plan import flop_counter
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s by compute dtype. fp32 is the CUDA-core rate
 # (TF32 off); the others are tensor-core rates. Matched against torch.cuda.get_device_name in
@@ -220,10 +221,9 @@ def count_syncs(runner: Runner, stream: Iterator[Micro], device: torch.device) -
 
 
 def count_flops(runner: Runner, micro: Micro) -> int | None:
-    """FLOPs of one training step (forward + backward), as FlopCounterMode counts them."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    """FLOPs of one training step (forward + backward), as FlopCounterMode counts them (SDPA's CPU
+    kernel included on every torch: ``flop_counter``)."""
+    counter = flop_counter()
     try:
         # Compiled modules run eagerly here: dispatch modes cannot see inside compiled kernels.
         with torch.compiler.set_stance("force_eager"), counter:
