@@ -121,6 +121,44 @@ class Slot:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
 
+class PeakMemory:
+    """Peak device memory per phase: the training working set, and evaluation's apart.
+
+    torch keeps one peak counter per device, so it is read and reset at every phase change: an
+    evaluation (another batch shape, which also autotunes cuDNN again) or a checkpoint (state
+    copied to the host) must not count as training. ``stats``: ``torch.cuda`` on a GPU, None
+    elsewhere (no device memory to measure); any object with those two calls stands in for it.
+    """
+
+    def __init__(self, device: torch.device, stats: Any = None) -> None:
+        self.device = device
+        self.stats = stats if stats is not None else (torch.cuda if device.type == "cuda" else None)
+        self.train_bytes = 0
+        self.eval_bytes: int | None = None
+
+    def reset(self) -> None:
+        if self.stats is not None:
+            self.stats.reset_peak_memory_stats(self.device)
+
+    def _read(self) -> int:
+        return int(self.stats.max_memory_allocated(self.device))
+
+    def end_train(self) -> None:
+        """Before an evaluation or a checkpoint: bank training's peak so far."""
+        if self.stats is not None:
+            self.train_bytes = max(self.train_bytes, self._read())
+            self.reset()
+
+    def end_eval(self) -> None:
+        if self.stats is not None:
+            self.eval_bytes = max(self.eval_bytes or 0, self._read())
+            self.reset()
+
+    def train_peak(self) -> int | None:
+        """Training's peak (``peak_memory_bytes``); None without device memory statistics."""
+        return None if self.stats is None else max(self.train_bytes, self._read())
+
+
 class Engine:
     """Builds a run from the composed config and trains it. Reads every config group."""
 
@@ -140,6 +178,7 @@ class Engine:
             # Autotuning picks the fastest kernel per shape, which may differ between runs.
             torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
+        self.peak = PeakMemory(self.device)
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
         self.policy = resolve_policy(cfg.loss_scale.name, self.precision.resolved, self.precision.fp8)
@@ -309,9 +348,8 @@ class Engine:
         for slot in self.slots:
             slot.module.train()
         cuda = self.device.type == "cuda"
-        if cuda:
-            # Peak memory is this run's: a sweep's earlier jobs in this process must not count.
-            torch.cuda.reset_peak_memory_stats(self.device)
+        # Peak memory is this run's: a sweep's earlier jobs in this process must not count.
+        self.peak.reset()
         first_step = self.step + 1
         while self.step < self.total_steps:
             epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
@@ -327,7 +365,7 @@ class Engine:
                     # cuDNN autotuning tries algorithms with large workspaces on the first step only:
                     # a transient spike that is not the run's working set, so measure from here.
                     torch.cuda.synchronize(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
+                    self.peak.reset()
                 window_steps += 1
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 done = self.step >= self.total_steps
@@ -348,11 +386,15 @@ class Engine:
                 evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
+                if evaluate or checkpoint_now:
+                    self.peak.end_train()
                 if evaluate:
                     self.metrics = self.task.evaluate(self.precision)
+                    self.peak.end_eval()
                     logger.eval(self.step, self.metrics)
                 if checkpoint_now:
                     self.save()
+                    self.peak.reset()  # the checkpoint's host copies are neither training nor eval
                 if evaluate or checkpoint_now:
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
@@ -360,6 +402,7 @@ class Engine:
                 if self._stop_requested(log_step):
                     self.throughput_windows = windows
                     if not checkpoint_now:
+                        self.peak.end_train()
                         self.save()
                     raise Interrupted(self.guard.signum or signal.SIGTERM, self.step)
                 if done:
@@ -444,8 +487,8 @@ class Engine:
         wait_s, wait_frac = self.data_wait_windows[-1]
         logger.scalar("train/data_wait", wait_s, step)
         logger.scalar("train/data_wait_fraction", wait_frac, step)
-        if self.device.type == "cuda":
-            logger.scalar("train/peak_memory", torch.cuda.max_memory_allocated(self.device), step)
+        if self.peak.stats is not None:
+            logger.scalar("train/peak_memory", self.peak.train_peak(), step)
         first = self.slots[0]
         extra = {}
         if len(self.slots) > 1:
@@ -582,9 +625,8 @@ class Engine:
             "throughput": statistics.median(kept) if kept else None,
             "throughput_unit": self.task.unit,
             **_data_wait_summary(getattr(self, "data_wait_windows", []), cfg.trainer.warmup_windows),
-            "peak_memory_bytes": (
-                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-            ),
+            "peak_memory_bytes": self.peak.train_peak(),
+            "eval_peak_memory_bytes": self.peak.eval_bytes,
             "skipped_steps": int(float(self.skipped)),
             "final_loss_scale": float(first.scaler.scale_value),
             "wall_time_s": wall,
