@@ -43,13 +43,18 @@ def bench(tmp_path: Path, *args: str) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def _litter() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("mptrain-bench-*")}
+def _private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temp dir of this test's own: other xdist workers' runs make mptrain-bench-* dirs in /tmp."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
 
 
 def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a stray `runs/` would land here
-    before = _litter()
+    tmp = _private_tmp(tmp_path, monkeypatch)
     out = tmp_path / "out"
     args = [a for a in TINY if a != "--no-process-warmup"]  # the default path: with the throwaway cell
     result = bench(out, "--models", "resnet50", "--precisions", "fp32,amp_bf16", "--steps", "2",
@@ -83,7 +88,7 @@ def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
     assert meta["date"] in md and "engine/bare" in md and torch.__version__ in md
     # No run directory left behind, neither in the cwd nor in the temp dir.
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
-    assert _litter() <= before
+    assert not list(tmp.glob("mptrain-bench-*"))
 
 
 @pytest.mark.parametrize(("model", "size", "precision"), [
