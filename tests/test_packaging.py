@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -67,3 +68,13 @@ def test_installed_layout_runs_from_another_directory(tmp_path, source):
     assert r.stdout.splitlines()[0].startswith(str(site))
     model_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("model "))
     assert all(m in model_line for m in ("alexnet", "googlenet", "inception_v3", "resnet50*", "vgg16"))
+
+
+def test_the_minimum_torch_is_the_one_readme_installs_and_ci_tests():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_min = re.search(r'"torch>=([0-9.]+)"', pyproject).group(1)
+    vision_min = re.search(r'"torchvision>=([0-9.]+)"', pyproject).group(1)
+    pins = f'"torch=={torch_min}.*" "torchvision=={vision_min}.*"'
+    assert f'pip install ".[test]" {pins}' in (ROOT / "README.md").read_text()
+    assert f"run min_torch {pins}" in (ROOT / ".ci" / "run").read_text()
+    assert "run latest_torch\n" in (ROOT / ".ci" / "run").read_text()
