@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,15 @@ def test_layer_scale_reads_gy_twice_and_keeps_the_rules_result(dtype: torch.dtyp
     for bad in (torch.zeros(4, 32, 7, 7), torch.full((4, 32, 7, 7), math.inf), torch.full((4, 32, 7, 7), math.nan)):
         bad = bad.to(dtype)
         assert layer_scale(bad, w, 1.0, 144).item() == _layer_scale_before_fusion(bad, w, 1.0, 144).item()
+
+
+def test_readme_quotes_the_adaptive_rule_benchmark() -> None:
+    data = json.loads((ROOT / "docs/benchmarks/cpu-2026-11-25-adaptive-rule.json").read_text())
+    assert all(r["same_scale"] for r in data["rule"])
+    speedups = [r["speedup"] for r in data["rule"]]
+    quote = (f"the rule alone {math.floor(min(speedups))}-{round(max(speedups))}x faster on this CPU, the whole "
+             f"step of ResNet-50/4 in fp32 {data['step']['step_speedup']:.2f}x")
+    assert quote in " ".join((ROOT / "README.md").read_text().split())
 
 
 def test_join_scale_picks_the_largest_scale_that_does_not_overflow() -> None:
