@@ -276,7 +276,8 @@ def test_peak_memory_is_trainings_and_evaluation_is_apart(tmp_path, monkeypatch)
     # autotuning again), a checkpoint at 5000 (host copies). Only the steps are the working set.
     from mptrain.cli import compose
     from mptrain.config import validate
-    from mptrain.engine import Engine, PeakMemory
+    from mptrain.engine import Engine
+    from mptrain.memory import PeakMemory
 
     cfg = compose([*tiny("resnet50", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2"),
                    "trainer.device=cpu"])
