@@ -593,6 +593,8 @@ def validate(cfg: DictConfig) -> None:
         check(ls.layer_cap >= 1, f"loss_scale.layer_cap={ls.layer_cap}: must be >= 1")
         check(ls.accum_cap >= 1, f"loss_scale.accum_cap={ls.accum_cap}: must be >= 1")
         _at_least(ls.recompute_every, 1, "loss_scale.recompute_every")
+    if t.compile:
+        _check_compile(cfg)
     _validate_family(cfg)
     _validate_parallel(cfg)
 
@@ -621,6 +623,24 @@ def _validate_parallel(cfg: DictConfig) -> None:
     check(cfg.model.get("task", "classification") != "gan",
           f"parallel=fsdp2 with model={cfg.model.name}: the generator's step runs the discriminator's forward and "
           "backward outside the discriminator's own step, which fails under FSDP2 here; use parallel=ddp")
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """``trainer.compile=true`` only where the whole model compiles into graphs; elsewhere dynamo
+    would split it at every scaling or quantizing site and run slower than eager, silently."""
+    p, ls = cfg.precision, cfg.loss_scale
+    if p.name == "mx" or (p.name == "fp8" and p.backend == "emulated"):
+        what = f"precision={p.name}" + (" precision.backend=emulated" if p.name == "fp8" else "")
+        raise MptrainError(
+            f"trainer.compile=true with {what}: whole-model compile graph-breaks at every quantized layer's "
+            "autograd function and generator; the quantizers are compiled on their own (leave trainer.compile=false)"
+        )
+    if ls.name == "adaptive":
+        raise MptrainError(
+            "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks on "
+            "an fx-traced graph, where whole-model compile graph-breaks at every Conv/Linear layer and join "
+            "(leave trainer.compile=false)"
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
+from mptrain.memory import PeakMemory
 from mptrain.numerics import fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
@@ -142,6 +143,7 @@ class Engine:
             torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
         self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
+        self.peak = PeakMemory(self.device)
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
         # parallel=fsdp2: the mesh and how this precision maps onto FSDP2 (mptrain.parallel).
@@ -325,9 +327,8 @@ class Engine:
         for slot in self.slots:
             slot.module.train()
         cuda = self.device.type == "cuda"
-        if cuda:
-            # Peak memory is this run's: a sweep's earlier jobs in this process must not count.
-            torch.cuda.reset_peak_memory_stats(self.device)
+        # Peak memory is this run's: a sweep's earlier jobs in this process must not count.
+        self.peak.reset()
         first_step = self.step + 1
         while self.step < self.total_steps:
             epoch, in_epoch = divmod(self.step, self.steps_per_epoch)
@@ -343,7 +344,7 @@ class Engine:
                     # cuDNN autotuning tries algorithms with large workspaces on the first step only:
                     # a transient spike that is not the run's working set, so measure from here.
                     torch.cuda.synchronize(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
+                    self.peak.reset()
                 window_steps += 1
                 end_of_epoch = self.step % self.steps_per_epoch == 0
                 done = self.step >= self.total_steps
@@ -365,15 +366,19 @@ class Engine:
                 evaluate = (t.eval_every and self.step % t.eval_every == 0) or (
                     t.eval_every is None and end_of_epoch) or done
                 checkpoint_now = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0) or done
+                if evaluate or checkpoint_now:
+                    self.peak.end_train()
                 if evaluate:
                     # FSDP2: gathered once, so that ranks with one validation batch more than others
                     # do not wait in an all-gather the others never join.
                     gather = self.sharding.gathered if self.sharding else lambda _: contextlib.nullcontext()
                     with gather(self.task.modules.values()):
                         self.metrics = self.task.evaluate(self.precision)
+                    self.peak.end_eval()
                     logger.eval(self.step, self.metrics)
                 if checkpoint_now:
                     self.save()
+                    self.peak.reset()  # the checkpoint's host copies are neither training nor eval
                 if evaluate or checkpoint_now:
                     # Keep eval and checkpoint time out of the throughput window.
                     t0, samples, window_steps = time.perf_counter(), 0, 0
@@ -381,6 +386,7 @@ class Engine:
                 if self._stop_requested(log_step):
                     self.throughput_windows = windows
                     if not checkpoint_now:
+                        self.peak.end_train()
                         self.save()
                     raise Interrupted(self.guard.signum or signal.SIGTERM, self.step)
                 if done:
@@ -466,8 +472,8 @@ class Engine:
         wait_s, wait_frac = self.data_wait_windows[-1]
         logger.scalar("train/data_wait", wait_s, step)
         logger.scalar("train/data_wait_fraction", wait_frac, step)
-        if self.device.type == "cuda":
-            logger.scalar("train/peak_memory", torch.cuda.max_memory_allocated(self.device), step)
+        if self.peak.stats is not None:
+            logger.scalar("train/peak_memory", self.peak.train_peak(), step)
         first = self.slots[0]
         extra = {}
         if len(self.slots) > 1:
@@ -633,9 +639,8 @@ class Engine:
             "throughput": statistics.median(kept) if kept else None,
             "throughput_unit": self.task.unit,
             **_data_wait_summary(getattr(self, "data_wait_windows", []), cfg.trainer.warmup_windows),
-            "peak_memory_bytes": (
-                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-            ),
+            "peak_memory_bytes": self.peak.train_peak(),
+            "eval_peak_memory_bytes": self.peak.eval_bytes,
             "skipped_steps": int(float(self.skipped)),
             "final_loss_scale": float(first.scaler.scale_value),
             "wall_time_s": wall,

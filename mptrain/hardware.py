@@ -125,10 +125,12 @@ def lstm_path(device_type: str, dtype: torch.dtype) -> str:
     if device_type != "cpu" or dtype == torch.float32:
         return "autocast"
     # fork_rng: the probe's random init must not move the run's RNG stream, or a seed would give
-    # other dropout masks in a half precision than in FP32, and the runs would no longer pair
-    # enable_grad: the first call may come from a no_grad forward (the precision plan, evaluation), where
-    # the probe's backward would fail on every path and "fp32" would be cached for the whole process
-    with torch.random.fork_rng(devices=[]), torch.enable_grad():
+    # other dropout masks in a half precision than in FP32, and the runs would no longer pair.
+    # The answer is cached for the process, so it must not depend on the caller's context: the
+    # first caller is often the precision plan, under no_grad (a backward there would fail on
+    # every path), or an autocast region (which would turn the "cast" probe into another one).
+    with (torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast("cpu", enabled=False)):
         return _probe_lstm(dtype)
 
 

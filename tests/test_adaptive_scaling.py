@@ -4,7 +4,11 @@ rescue in FP16, skipping, state round-trip and torchvision's resnet18. CPU only.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +18,8 @@ from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
 from mptrain.numerics.adaptive_scaling import AdaptiveScaler, join_scale, layer_scale
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CPU = torch.device("cpu")
 TINY = 2.0**-20  # loss multiplier that makes gradients small enough for per-layer scales > 1
@@ -103,6 +109,57 @@ def test_layer_scale_fp16_gradient_uses_fp32_statistics() -> None:
     want = _hand_rule(g.half().float().flatten().tolist(), torch.tensor(W).half().float().tolist(), 1.0, 5,
                       layer_cap=1e9, accum_cap=1e9)  # fmt: skip
     assert got.dtype == torch.float32 and got.item() == want
+
+
+@functools.cache
+def _bench_adaptive() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_adaptive", ROOT / "scripts" / "bench_adaptive.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _layer_scale_before_fusion(gy: Tensor, weight: Tensor, prev_scale: float, fan_in: int, **rule: Any) -> Tensor:
+    """The rule as it was before its statistics were fused (an FP32 copy of gy, std_mean and
+    aminmax over it), kept in scripts/bench_adaptive.py, which times the two side by side."""
+    return _bench_adaptive().layer_scale_before(gy, weight, prev_scale, fan_in, **rule)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_layer_scale_reads_gy_twice_and_keeps_the_rules_result(dtype: torch.dtype) -> None:
+    # Activation gradients of every regime the rule meets: underflowing, ordinary, near overflow,
+    # off-centre, sparse (ReLU), all-zero, holding Inf or NaN; under several carried scales.
+    gen = torch.Generator().manual_seed(0)
+    uncapped = {"layer_cap": 1e9, "accum_cap": 1e9}
+    cases = 0
+    for magnitude in (1e-7, 1e-5, 1e-3, 1.0, 1e3):
+        for shift, sparsity in ((0.0, 0.0), (2.0, 0.0), (0.0, 0.7)):
+            g = (torch.randn(64, 32, 7, 7, generator=gen) + shift) * magnitude
+            g = g * (torch.rand(g.shape, generator=gen) >= sparsity)
+            w = torch.randn(32, 16, 3, 3, generator=gen) * 0.05
+            for prev, rule in ((1.0, {}), (256.0, {}), (1.0, uncapped), (1.0, {**uncapped, "power_of_two": False})):
+                want = _layer_scale_before_fusion(g.to(dtype), w.to(dtype), prev, 144, **rule)
+                got = layer_scale(g.to(dtype), w.to(dtype), prev, 144, **rule)
+                assert got.dtype == torch.float32
+                if rule.get("power_of_two", True):
+                    assert got.item() == want.item(), (magnitude, shift, sparsity, prev, rule)
+                else:
+                    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+                cases += 1
+    assert cases == 60
+    w = torch.randn(32, 16, 3, 3, generator=gen).to(dtype)
+    for bad in (torch.zeros(4, 32, 7, 7), torch.full((4, 32, 7, 7), math.inf), torch.full((4, 32, 7, 7), math.nan)):
+        bad = bad.to(dtype)
+        assert layer_scale(bad, w, 1.0, 144).item() == _layer_scale_before_fusion(bad, w, 1.0, 144).item()
+
+
+def test_readme_quotes_the_adaptive_rule_benchmark() -> None:
+    data = json.loads((ROOT / "docs/benchmarks/cpu-2026-11-25-adaptive-rule.json").read_text())
+    assert all(r["same_scale"] for r in data["rule"])
+    speedups = [r["speedup"] for r in data["rule"]]
+    quote = (f"the rule alone {math.floor(min(speedups))}-{round(max(speedups))}x faster on this CPU, the whole "
+             f"step of ResNet-50/4 in fp32 {data['step']['step_speedup']:.2f}x")
+    assert quote in " ".join((ROOT / "README.md").read_text().split())
 
 
 def test_join_scale_picks_the_largest_scale_that_does_not_overflow() -> None:

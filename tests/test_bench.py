@@ -29,7 +29,7 @@ CELL_FIELDS = {
     "timing_stat",
     "bare_throughput", "bare_step_time_s", "bare_step_time_windows_s", "bare_spread", "bare_peak_memory_bytes",
     "overhead", "overhead_paired", "overhead_min", "step_time_min_s",
-    "speedup_vs_fp32", "bare_speedup_vs_fp32", "speedup_vs_tf32", "memory_vs_fp32",
+    "speedup_vs_fp32", "bare_speedup_vs_fp32", "speedup_vs_tf32", "speedup_vs_bf16", "memory_vs_fp32",
     "bare_memory_vs_fp32", "mfu", "bare_mfu", "last_loss", "bare_last_loss",
     "flops_per_step", "peak_tflops", "compute_dtype", "losses", "bare_losses", "loss_max_rel_diff",
     "host_syncs_per_step", "optimizer", "loss_scale", "image_size", "overrides",
@@ -43,13 +43,18 @@ def bench(tmp_path: Path, *args: str) -> dict:
     return json.loads((tmp_path / "result.json").read_text())
 
 
-def _litter() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("mptrain-bench-*")}
+def _private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A temp dir of this test's own: other xdist workers' runs make mptrain-bench-* dirs in /tmp."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp
 
 
 def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a stray `runs/` would land here
-    before = _litter()
+    tmp = _private_tmp(tmp_path, monkeypatch)
     out = tmp_path / "out"
     args = [a for a in TINY if a != "--no-process-warmup"]  # the default path: with the throwaway cell
     result = bench(out, "--models", "resnet50", "--precisions", "fp32,amp_bf16", "--steps", "2",
@@ -74,16 +79,19 @@ def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
     assert cells["amp_bf16"]["speedup_vs_fp32"] == pytest.approx(
         cells["fp32"]["step_time_s"] / cells["amp_bf16"]["step_time_s"])
     assert cells["amp_bf16"]["compute_dtype"] == "bf16" and cells["fp32"]["compute_dtype"] == "fp32"
+    # FP8 and the emulated formats are read against amp_bf16: the same ratio, its own column.
+    assert cells["fp32"]["speedup_vs_bf16"] == pytest.approx(
+        cells["amp_bf16"]["step_time_s"] / cells["fp32"]["step_time_s"])
     # FLOPs do not depend on the precision: counted once, shared.
     assert cells["fp32"]["flops_per_step"] == cells["amp_bf16"]["flops_per_step"]
     # The plan says what ran below 16 bits: nothing here (bf16 is 16 bits).
     assert cells["amp_bf16"]["low_precision_flop_fraction"] == 0.0 and cells["amp_bf16"]["low_precision_layers"] == []
     # The markdown carries the stamp and the table.
     md = (out / "result.md").read_text()
-    assert meta["date"] in md and "engine/bare" in md and torch.__version__ in md
+    assert meta["date"] in md and "engine/bare" in md and torch.__version__ in md and "vs bf16" in md
     # No run directory left behind, neither in the cwd nor in the temp dir.
     assert not (tmp_path / "runs").exists() and not (tmp_path / "outputs").exists()
-    assert _litter() <= before
+    assert not list(tmp.glob("mptrain-bench-*"))
 
 
 @pytest.mark.parametrize(("model", "size", "precision"), [
@@ -163,3 +171,14 @@ def test_fp8_torchao_alias_is_a_cell_and_off_cuda_a_reason(tmp_path):
     assert cells["fp32"].get("error") is None
     assert "precision.backend=torchao" in " ".join(cells["fp8_torchao"]["overrides"])
     assert cells["fp8_torchao"]["error"].endswith("needs a CUDA GPU; use backend=emulated")
+
+
+def test_format_aliases_are_cells_of_the_mx_mode():
+    from mptrain.bench.cli import build_parser, plan
+
+    args = build_parser().parse_args(["--models", "transformer_lm_tiny", "--precisions", "amp_bf16,mxfp8,nvfp4",
+                                      "--batch-sizes", "2", "--device", "cpu"])
+    cells, skipped, _ = plan(args)
+    assert not skipped
+    formats = {cell.precision: (cfg.precision.name, cfg.precision.get("format")) for cell, cfg in cells}
+    assert formats == {"amp_bf16": ("amp_bf16", None), "mxfp8": ("mx", "mxfp8"), "nvfp4": ("mx", "nvfp4")}

@@ -29,7 +29,22 @@ BAD = [
     (["data=image_folder", "data.root=/does/not/exist"], "data.root=/does/not/exist: no such directory"),
     (["model=inception_v3", "data.image_size=64"], "data.image_size=64: model=inception_v3 needs at least 299 px"),
     (["precision=fp9"], "precision=fp9: unknown choice; precision is one of:"),
+    # Whole-model compile would graph-break at every scaling or quantizing site, silently.
+    (["precision=fp8", "trainer.compile=true"],
+     "trainer.compile=true with precision=fp8 precision.backend=emulated: whole-model compile graph-breaks at every "
+     "quantized layer's autograd function and generator; the quantizers are compiled on their own"),
+    (["precision=mx", "trainer.compile=true"], "trainer.compile=true with precision=mx: whole-model compile"),
+    (["precision=amp_fp16", "loss_scale=adaptive", "trainer.compile=true"],
+     "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks"),
 ]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["precision=fp8", "precision.backend=torchao", "trainer.compile=true"],  # real float8 GEMMs: compile is the point
+    ["precision=amp_fp16", "loss_scale=dynamic", "trainer.compile=true"],
+])
+def test_compile_stays_allowed_where_the_model_compiles_whole(overrides):
+    validate(compose(overrides))
 
 
 @pytest.mark.parametrize("overrides,message", BAD, ids=[" ".join(o) for o, _ in BAD])

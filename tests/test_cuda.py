@@ -193,6 +193,18 @@ def test_peak_memory_is_recorded_and_half_precision_uses_less(tmp_path):
     assert tags["train/peak_memory"][-1][1] > 0
 
 
+@cuda_only
+def test_peak_memory_leaves_evaluation_out(tmp_path):
+    # The same training with evaluation batches of 16 and of 1024 (another shape, which cuDNN
+    # autotunes again): the training peak must not move, evaluation's is recorded apart.
+    common = [*SMALL, "data.image_size=64", "data.val_samples=1024", "trainer.max_steps=3"]
+    small = run_job(tmp_path / "small", *common, "data.val_batch_size=16")
+    large = run_job(tmp_path / "large", *common, "data.val_batch_size=1024")
+    assert large["eval_peak_memory_bytes"] > large["peak_memory_bytes"]
+    assert large["eval_peak_memory_bytes"] > small["eval_peak_memory_bytes"]
+    assert large["peak_memory_bytes"] == pytest.approx(small["peak_memory_bytes"], rel=0.05)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "amp_fp16", "amp_bf16"])
 def test_gan_and_lm_train_on_the_device(tmp_path, precision):
     gan = run_job(tmp_path / "gan", "model=dcgan", "model.ngf=16", "model.ndf=16", "data.batch_size=16",

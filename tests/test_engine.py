@@ -267,3 +267,52 @@ def test_clipping_sees_unscaled_gradients(tmp_path):
     for k in fp32:
         torch.testing.assert_close(scaled[k], fp32[k], rtol=1e-6, atol=1e-7, msg=k)
     assert any(not torch.allclose(unclipped[k], fp32[k]) for k in fp32)  # clipping did bite
+
+
+class _FakeDeviceMemory:
+    """torch.cuda's two peak-memory calls over an allocation level the test moves: a CPU stand-in
+    for a GPU's allocator (the engine asks nothing else of it)."""
+
+    def __init__(self) -> None:
+        self.level = self.peak = 10
+
+    def at(self, level: int) -> None:
+        self.level, self.peak = level, max(self.peak, level)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        self.peak = self.level
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return self.peak
+
+
+def test_peak_memory_is_trainings_and_evaluation_is_apart(tmp_path, monkeypatch):
+    # A step peaks at 100, evaluation at 1000 (another batch shape: new activations, cuDNN
+    # autotuning again), a checkpoint at 5000 (host copies). Only the steps are the working set.
+    from mptrain.cli import compose
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+    from mptrain.memory import PeakMemory
+
+    cfg = compose([*tiny("resnet50", "trainer.max_steps=4", "trainer.eval_every=2", "trainer.checkpoint_every=2"),
+                   "trainer.device=cpu"])
+    validate(cfg)
+    engine = Engine(cfg, tmp_path)
+    memory = _FakeDeviceMemory()
+    engine.peak = PeakMemory(engine.device, stats=memory)
+
+    def phase(level: int, fn):
+        def run(*args, **kwargs):
+            memory.at(level)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                memory.at(10)
+        return run
+
+    monkeypatch.setattr(engine, "_train_step", phase(100, engine._train_step))
+    monkeypatch.setattr(engine.task, "evaluate", phase(1000, engine.task.evaluate))
+    monkeypatch.setattr(engine, "save", phase(5000, engine.save))
+    engine.fit()
+    s = engine.summary("completed", 0.0)
+    assert s["peak_memory_bytes"] == 100 and s["eval_peak_memory_bytes"] == 1000

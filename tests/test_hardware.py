@@ -125,6 +125,22 @@ def test_lstm_probe_matches_what_the_kernels_do_on_this_cpu(dtype):
     assert (path == "autocast") == autocast_works
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lstm_probe_does_not_depend_on_its_callers_context(dtype):
+    # Cached for the process, so its first caller must not matter: the first LSTM forward of a
+    # run is the precision plan's, under no_grad, where a probe that inherits the mode fails its
+    # backward on every path and caches "fp32" (the LM then logged "LSTM layers run in fp32").
+    probe = hardware.lstm_path.__wrapped__
+    plain = probe("cpu", dtype)
+    with torch.no_grad():
+        assert probe("cpu", dtype) == plain
+    with torch.inference_mode():
+        assert probe("cpu", dtype) == plain
+    with torch.autocast("cpu", dtype=dtype):
+        assert probe("cpu", dtype) == plain
+    assert plain != "fp32"  # ATen's LSTM runs both half types on every CPU: "cast" at worst
+
+
 @pytest.mark.parametrize("path", ["autocast", "cast", "fp32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_lm_runs_on_every_lstm_path_with_that_paths_numerics(monkeypatch, path, dtype):

@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_wheel_contains_every_config_and_the_console_scripts(tmp_path):
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of what the build reads. Building in the checkout writes build/ and *.egg-info there,
+    which two builds at once (pytest -n 8, or a pip install beside the suite) would race over."""
+    dst = tmp_path_factory.mktemp("src")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dst / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("mptrain", "configs"):
+        shutil.copytree(ROOT / name, dst / name, ignore=ignore)
+    return dst
+
+
+def test_wheel_contains_every_config_and_the_console_scripts(tmp_path, source):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(ROOT)],
+         str(source)],
         check=True, capture_output=True,
     )
     wheel = next(tmp_path.glob("mptrain-*.whl"))
@@ -26,22 +44,37 @@ def test_wheel_contains_every_config_and_the_console_scripts(tmp_path):
     assert "mptrain = mptrain.cli:main" in entry_points
 
 
-def test_installed_layout_runs_from_another_directory(tmp_path):
+def test_installed_layout_runs_from_another_directory(tmp_path, source):
     """Install the wheel's files (no deps) into a folder and run the CLI from elsewhere."""
     site = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-q", "--target", str(site),
-         str(ROOT)],
+         str(source)],
         check=True, capture_output=True,
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # The checkout leaves the path (its mptrain must not be the one imported); the rest stays:
+    # on the GPU machine Hydra and omegaconf live only in a wheel folder on PYTHONPATH.
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != ROOT]
     r = subprocess.run(
         [sys.executable, "-c", "import mptrain, sys; print(mptrain.__file__); sys.argv=['mptrain','--help'];"
          "from mptrain.cli import main; main()"],
-        cwd=elsewhere, capture_output=True, text=True, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        cwd=elsewhere, capture_output=True, text=True,
+        env={"PYTHONPATH": os.pathsep.join([str(site), *kept]), "PATH": "/usr/bin:/bin"},
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].startswith(str(site))
     model_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("model "))
     assert all(m in model_line for m in ("alexnet", "googlenet", "inception_v3", "resnet50*", "vgg16"))
+
+
+def test_the_minimum_torch_is_the_one_readme_installs_and_ci_tests():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_min = re.search(r'"torch>=([0-9.]+)"', pyproject).group(1)
+    vision_min = re.search(r'"torchvision>=([0-9.]+)"', pyproject).group(1)
+    pins = f'"torch=={torch_min}.*" "torchvision=={vision_min}.*"'
+    assert f'pip install ".[test]" {pins}' in (ROOT / "README.md").read_text()
+    assert f"run min_torch {pins}" in (ROOT / ".ci" / "run").read_text()
+    assert "run latest_torch\n" in (ROOT / ".ci" / "run").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -19,12 +20,21 @@ def prec(name: str, **opts):
     return build_precision(OmegaConf.create({"name": name, **opts}), CPU)
 
 
-def test_fp32_turns_tf32_off_and_tf32_on():
+TF32_FLAGS = {"matmul": torch.backends.cuda.matmul, "cudnn": torch.backends.cudnn,
+              "conv": torch.backends.cudnn.conv, "rnn": torch.backends.cudnn.rnn}
+
+
+def test_fp32_turns_tf32_off_and_tf32_on_through_the_documented_api():
+    # Something has already used fp32_precision (inductor and torchao do): from then on torch
+    # raises when the legacy allow_tf32 flags are read, and setting them leaves conv at "none".
+    torch.backends.cudnn.conv.fp32_precision = "tf32"
     p = prec("fp32")
-    p.configure_backends()
-    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
-    prec("tf32").configure_backends()
-    assert torch.backends.cuda.matmul.allow_tf32 is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p.configure_backends()
+        assert {k: b.fp32_precision for k, b in TF32_FLAGS.items()} == dict.fromkeys(TF32_FLAGS, "ieee")
+        prec("tf32").configure_backends()
+        assert {k: b.fp32_precision for k, b in TF32_FLAGS.items()} == dict.fromkeys(TF32_FLAGS, "tf32")
     p.configure_backends()  # leave the process as a true FP32 baseline
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny
+from torch import nn
 
 from mptrain.syncs import count_host_syncs
 
@@ -84,3 +86,62 @@ def test_an_emulated_step_makes_no_host_sync(fused_on: bool, monkeypatch: pytest
         assert len(built) == 1  # one rotation for the run (one device, one dtype)
         assert _step_syncs(["precision=fp8", "optim.impl=fused"]) == [1, 0, 0]
         assert _step_syncs(["precision=fp8"]) == [1, 1, 1]  # the GradScaler sync, documented
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine's step, per precision and optimizer implementation: no host sync beyond the one that
+# torch's own GradScaler makes for a non-fused optimizer (it reads found_inf to decide whether to
+# call step()); a fused optimizer takes the flag inside its kernel, so that path makes none.
+
+IMPLS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}
+
+
+def _torch_gradscaler_syncs(impl: str) -> int:
+    """The reference: a plain autocast-free loop with torch.amp.GradScaler, steady state."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **IMPLS[impl])
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(model(torch.ones(2, 4)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step()
+    with count_host_syncs() as c:
+        step()
+    return c.total
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize(("precision", "scaled"), [
+    (["precision=fp32"], False), (["precision=amp_fp16"], True), (["precision=fp16_master"], True),
+    (["precision=fp8"], True), (["precision=mx"], False), (["precision=amp_fp16", "loss_scale=adaptive"], True),
+], ids=["fp32", "amp_fp16", "fp16_master", "fp8", "mx", "adaptive"])
+def test_engine_step_makes_no_host_sync_beyond_torchs_gradscaler(tmp_path, precision, scaled, impl) -> None:
+    from mptrain.cli import compose
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+
+    cfg = compose([*tiny("alexnet", *precision, f"optim.impl={impl}", "model.width_divisor=16",
+                         "optim.momentum=0.9", "trainer.precision_plan=false"), "trainer.device=cpu"])
+    validate(cfg)
+    engine = Engine(cfg, tmp_path)
+    batches = engine.task.train_batches(0)
+    for slot in engine.slots:
+        slot.module.train()
+    for _ in range(2):  # past the first step, whose optimizer creates its state
+        engine._train_step([next(batches)])
+        engine.step += 1
+    batch = next(batches)
+    with count_host_syncs() as c:
+        engine._train_step([batch])
+    want = _torch_gradscaler_syncs(impl) if scaled else 0
+    assert c.total == want, c.report()
+    if impl == "fused":
+        assert want == 0
+    elif scaled:  # the one read of found_inf, in the scaler's step
+        scaler = "adaptive_scaling" if "loss_scale=adaptive" in precision else "loss_scaling"
+        assert want == 1 and dict(c.by_kind) == {"item": 1}
+        assert next(iter(c.sites)).startswith(f"item at numerics/{scaler}.py:"), c.report()

@@ -104,7 +104,7 @@ def test_head_weight_is_the_token_embedding_and_counted_once():
     assert untied.lm_head.weight is not untied.embed.wte.weight
 
 
-@pytest.mark.parametrize("name", ["transformer_lm", "transformer_lm_tiny"])
+@pytest.mark.parametrize("name", ["transformer_lm", "transformer_lm_tiny", "transformer_lm_large"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_parameter_count_matches_the_formula(name, tied):
     cfg = compose([f"model={name}", f"model.tie_weights={tied}"]).model
@@ -114,6 +114,8 @@ def test_parameter_count_matches_the_formula(name, tied):
     assert n == analytic_params(10_000, cfg.d_model, cfg.num_layers, cfg.block_size, tied)
     if name == "transformer_lm":  # nanoGPT's baby GPT: 10.65M in the blocks
         assert n - 10_000 * 384 * (1 if tied else 2) - 256 * 384 == 10_646_784 + 2 * 384
+    if name == "transformer_lm_large":  # its config says 805M in the blocks
+        assert (n - 10_000 * 4096 * (1 if tied else 2) - 2048 * 4096 - 2 * 4096) // 10**6 == 805
 
 
 def test_flop_counter_counts_attention_and_matches_the_analytic_formula():

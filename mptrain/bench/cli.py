@@ -45,6 +45,8 @@ def parse_list(text: str) -> list[str]:
 PRECISION_ALIASES = {
     "fp8_torchao": ["precision=fp8", "precision.backend=torchao", "precision.recipe=tensorwise"],
     "fp8_torchao_rowwise": ["precision=fp8", "precision.backend=torchao", "precision.recipe=rowwise"],
+    # The emulated block formats by name, so one grid can hold them beside amp_bf16 (their "vs bf16").
+    **{fmt: ["precision=mx", f"precision.format={fmt}"] for fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4")},
 }
 
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
+from mptrain.numerics.plan import flop_counter
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s by compute dtype. fp32 is the CUDA-core rate
 # (TF32 off); the others are tensor-core rates. Matched against torch.cuda.get_device_name in
@@ -220,10 +221,9 @@ def count_syncs(runner: Runner, stream: Iterator[Micro], device: torch.device) -
 
 
 def count_flops(runner: Runner, micro: Micro) -> int | None:
-    """FLOPs of one training step (forward + backward), as FlopCounterMode counts them."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
+    """FLOPs of one training step (forward + backward), as FlopCounterMode counts them (SDPA's CPU
+    kernel included on every torch: ``flop_counter``)."""
+    counter = flop_counter()
     try:
         # Compiled modules run eagerly here: dispatch modes cannot see inside compiled kernels.
         with torch.compiler.set_stance("force_eager"), counter:
@@ -523,7 +523,8 @@ def variants_for(cfg: DictConfig, paths: list[str], compile_mode: str, telemetry
 
 
 def add_ratios(records: list[dict[str, Any]]) -> None:
-    """Speedup over fp32 (and tf32), memory relative to fp32, fast path on/off: by matching cells."""
+    """Speedup over fp32 (and tf32, and amp_bf16: what FP8 and the emulated formats are measured
+    against), memory relative to fp32, fast path on/off: by matching cells."""
     index = {(r["model"], r["precision"], r["batch_size"], r["variant"]): r for r in records if "error" not in r}
 
     def ratio(a: float | None, b: float | None) -> float | None:
@@ -534,11 +535,13 @@ def add_ratios(records: list[dict[str, Any]]) -> None:
             continue
         fp32 = index.get((r["model"], "fp32", r["batch_size"], r["variant"]))
         tf32 = index.get((r["model"], "tf32", r["batch_size"], r["variant"]))
+        bf16 = index.get((r["model"], "amp_bf16", r["batch_size"], r["variant"]))
         base = index.get((r["model"], r["precision"], r["batch_size"], "base"))
         r["speedup_vs_fp32"] = ratio(fp32 and fp32["step_time_s"], r["step_time_s"])
         r["bare_speedup_vs_fp32"] = ratio(fp32 and fp32["bare_step_time_s"], r["bare_step_time_s"])
         on_cuda = torch.cuda.is_available() and r.get("peak_memory_bytes") is not None
         r["speedup_vs_tf32"] = ratio(tf32 and tf32["step_time_s"], r["step_time_s"]) if on_cuda else None
+        r["speedup_vs_bf16"] = ratio(bf16 and bf16["step_time_s"], r["step_time_s"])
         r["memory_vs_fp32"] = ratio(r["peak_memory_bytes"], fp32 and fp32["peak_memory_bytes"])
         r["bare_memory_vs_fp32"] = ratio(r["bare_peak_memory_bytes"], fp32 and fp32["bare_peak_memory_bytes"])
         # Periodic work (telemetry) compares mean step times; everything else medians.

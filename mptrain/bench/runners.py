@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 # Precisions the bare loop can express with plain torch (autocast, or FP16 storage + FP32 masters).
 _BARE_UNSUPPORTED = {"bf16_pure": "pure-bf16 storage with stochastic rounding has no plain-torch loop",
-                     "fp8": "FP8 layers have no plain-torch loop"}
+                     "fp8": "FP8 layers have no plain-torch loop",
+                     "mx": "MX/NVFP4 layers have no plain-torch loop"}
 
 Batch = Any
 Micro = list[Batch]

@@ -36,8 +36,10 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     """The report's tables as (title, header, rows): rendered by rich and as markdown."""
     recs = [r for r in result["cells"] if "error" not in r]
     cuda = result["meta"]["device"] == "cuda"
+    bf16 = any(r.get("speedup_vs_bf16") for r in recs if r["precision"] != "amp_bf16")  # FP8 or formats vs bf16
     main_header = ["model", "precision", "batch", "variant", "step ms", "per s", "bare step ms", "bare per s",
-                   "engine/bare", "paired", "min", "spread", "vs fp32"] + (["vs tf32"] if cuda else []) + [
+                   "engine/bare", "paired", "min", "spread", "vs fp32"] + (["vs tf32"] if cuda else []) + (
+        ["vs bf16"] if bf16 else []) + [
         "peak MiB", "bare MiB", "mem vs fp32", "MFU", "bare MFU", "GFLOP/step", "<16-bit FLOPs", "loss diff"]
     rows = []
     for r in recs:
@@ -50,6 +52,7 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                      _x(r["overhead"], 3), _x(r["overhead_paired"], 3), _x(r.get("overhead_min"), 3), _pct(spread),
                      _x(r["speedup_vs_fp32"])]
                     + ([_x(r["speedup_vs_tf32"])] if cuda else [])
+                    + ([_x(r.get("speedup_vs_bf16"))] if bf16 else [])
                     + [_mib(r["peak_memory_bytes"]), _mib(r["bare_peak_memory_bytes"]), _x(r["memory_vs_fp32"]),
                        _pct(r["mfu"]), _pct(r["bare_mfu"]),
                        "-" if not r["flops_per_step"] else f"{r['flops_per_step'] / 1e9:,.1f}",

@@ -197,7 +197,7 @@ def transformer_lm(cfg: DictConfig, num_classes: int) -> nn.Module:
     )
 
 
-# One architecture, two sizes (configs/model/transformer_lm*.yaml), each its own model name.
-SIZES = ("transformer_lm_tiny", "transformer_lm")
+# One architecture, three sizes (configs/model/transformer_lm*.yaml), each its own model name.
+SIZES = ("transformer_lm_tiny", "transformer_lm", "transformer_lm_large")
 for _name in SIZES:
     register_model(_name, task="language_model")(transformer_lm)

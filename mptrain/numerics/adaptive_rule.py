@@ -60,17 +60,17 @@ def layer_scale(
     """The per-layer scale s for gradient ``gy`` (carrying ``prev_scale``) entering a layer with
     weight ``weight``. Device ops only; statistics in FP32. A non-finite result (gy already held
     Inf/NaN: the step will be skipped) becomes 1 so that it is never cached."""
-    g = gy.detach().float()
-    w = weight.detach().float()
-    sg, mg = torch.std_mean(g, correction=0)
-    sw, mw = torch.std_mean(w, correction=0)
-    sigma = torch.sqrt((sg * sg + mg * mg) * (sw * sw + mw * mw)) * math.sqrt(0.5 * fan_in)
+    # Two reads of gy in its own dtype and no FP32 copy (there were a copy and three reductions
+    # over it): the rule needs only sqrt(E[x^2]) (the authors' sqrt(std^2 + mean^2), population
+    # variance) and max|x| (their o_max, the largest |product| of gy's and W's min/max, is
+    # max|gy| * max|W|). The norm accumulates in FP32; min and max are exact in any dtype.
+    g_rms, g_amax = _rms_and_amax(gy.detach())
+    w_rms, w_amax = _rms_and_amax(weight.detach())
+    sigma = g_rms * w_rms * math.sqrt(0.5 * fan_in)
     one = torch.ones_like(sigma)
     # sigma == 0 (all-zero gy or W): the authors return 1 before the overflow bound.
     s = torch.where(sigma > 0, u_min / (_erfinv_term(n_uf) * sigma), one).clamp(min=1.0)
-    gmin, gmax = torch.aminmax(g)
-    wmin, wmax = torch.aminmax(w)
-    o_max = torch.stack([gmax * wmax, gmin * wmin, gmax * wmin, gmin * wmax]).abs().max()
+    o_max = g_amax * w_amax
     s = torch.minimum(s, (u_max / fan_in) / o_max)  # o_max == 0 gives inf: no bound
     s = torch.minimum(s, accum_cap / torch.as_tensor(prev_scale, dtype=s.dtype, device=s.device))
     s = s.clamp(max=layer_cap)
@@ -78,6 +78,13 @@ def layer_scale(
     if power_of_two:
         s = torch.exp2(torch.floor(torch.log2(s)))
     return s
+
+
+def _rms_and_amax(x: Tensor) -> tuple[Tensor, Tensor]:
+    """sqrt(E[x^2]) and max|x| in FP32, one reduction each over ``x`` in its own dtype."""
+    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+    lo, hi = torch.aminmax(x)  # faster than an inf-norm on CPU, the same on CUDA
+    return rms, torch.maximum(-lo.float(), hi.float())
 
 
 def output_scale(

@@ -7,8 +7,9 @@ measures one forward pass of a real batch and prints, per GEMM layer (Linear, Co
 its format, the reason, and its forward FLOPs; ``summary.json`` gets the same as ``precision_plan``.
 
 FLOPs are counted per layer from the shapes the layer sees (2 x multiply-accumulates), and the
-denominator is every matmul and convolution of the forward pass as ``FlopCounterMode`` counts them,
-so GEMMs outside layers (attention's QK^T and AV) count as not converted.
+denominator is every matmul and convolution of the forward pass as ``FlopCounterMode`` counts them
+(``flop_counter``: with SDPA's CPU kernel on every supported torch), so GEMMs outside layers
+(attention's QK^T and AV) count as not converted.
 """
 
 from __future__ import annotations
@@ -88,6 +89,39 @@ def _forward_flops(module: nn.Module, x: Tensor, y: Tensor) -> int:
     return 0
 
 
+def _sdpa_forward_flops(q: list[int], k: list[int], v: list[int], *args: Any, **kwargs: Any) -> int:
+    """QK^T and AV of attention over (batch, heads, seq, dim) shapes, as torch counts them (the
+    causal mask's skipped half included)."""
+    b, h, sq, dq = q
+    sk, dv = k[-2], v[-1]
+    return 2 * b * h * sq * sk * (dq + dv)
+
+
+def _sdpa_backward_flops(grad_out: list[int], q: list[int], k: list[int], v: list[int], *args: Any,
+                         **kwargs: Any) -> int:
+    """The fused backward: QK^T recomputed, dO V^T, P^T dO, dS K and dS^T Q, as torch counts them."""
+    b, h, sq, dq = q
+    sk, dv = k[-2], v[-1]
+    return 2 * b * h * sq * sk * (3 * dq + 2 * dv)
+
+
+def flop_counter() -> Any:
+    """torch's ``FlopCounterMode`` (no display), counting SDPA's CPU flash kernel on every torch.
+
+    torch counts the CUDA attention kernels, but the CPU one only from 2.15 on: 2.11 counts 0 for a
+    causal SDPA on CPU, and the plan's denominator and the bench's MFU would leave attention out.
+    Where torch's own registry lacks the op, these formulas (torch's, from the shapes) fill it in.
+    """
+    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+    aten = torch.ops.aten
+    mapping = {op: f for op, f in (
+        (aten._scaled_dot_product_flash_attention_for_cpu, _sdpa_forward_flops),
+        (aten._scaled_dot_product_flash_attention_for_cpu_backward, _sdpa_backward_flops),
+    ) if op not in flop_registry}
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
 @torch.no_grad()
 def measure(modules: dict[str, nn.Module], forward: Callable[[], Any]) -> tuple[dict[int, int], int]:
     """Run ``forward`` once with hooks on every GEMM layer: (FLOPs by id(module), total FLOPs).
@@ -95,8 +129,6 @@ def measure(modules: dict[str, nn.Module], forward: Callable[[], Any]) -> tuple[
     Eager (a compiled module runs uncompiled here, so its hooks fire and nothing recompiles), in
     eval mode (no dropout draws), and under the caller's RNG: ``fork_rng`` keeps the run's stream.
     """
-    from torch.utils.flop_counter import FlopCounterMode
-
     flops: dict[int, int] = {}
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -107,7 +139,7 @@ def measure(modules: dict[str, nn.Module], forward: Callable[[], Any]) -> tuple[
     layers = gemm_layers(modules)
     handles = [m.register_forward_hook(hook) for _, m in layers]
     was_training = {name: m.training for name, m in modules.items()}
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     try:
         for m in modules.values():
             m.eval()

@@ -125,9 +125,17 @@ class Precision:
         return None if self.param_dtype == torch.float32 else self.param_dtype
 
     def configure_backends(self) -> None:
-        """TF32 on or off (global torch flags): off is what makes fp32 a true FP32 baseline."""
-        torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
-        torch.backends.cudnn.allow_tf32 = self.allow_tf32
+        """TF32 on or off (global torch flags): off is what makes fp32 a true FP32 baseline.
+
+        Through ``fp32_precision``, the API torch documents from 2.9 on (every supported torch):
+        once anything (inductor, torchao, a user) has used it, the legacy ``allow_tf32`` flags
+        raise when read, and setting them leaves cuDNN's convolution flag at "none". cuDNN's own
+        flag is set beside its conv and rnn ones because inductor reads it.
+        """
+        value = "tf32" if self.allow_tf32 else "ieee"
+        for backend in (torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cudnn.conv,
+                        torch.backends.cudnn.rnn):
+            backend.fp32_precision = value
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.autocast_dtype is None:
