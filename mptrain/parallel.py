@@ -205,7 +205,8 @@ class Fsdp2:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         p = self.policy
-        if not p.keep_fp32 or p.param_dtype is None:
+        if not p.keep_fp32 or p.param_dtype is None or not has_param_dtype_override():
+            # Without the override fn the keep_fp32 layers are already FP32 units of their own (shard()).
             return MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype)
         keep = {id(q) for m in model.modules() if isinstance(m, p.keep_fp32) for q in m.parameters(recurse=False)}
         return MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
