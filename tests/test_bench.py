@@ -182,3 +182,50 @@ def test_format_aliases_are_cells_of_the_mx_mode():
     assert not skipped
     formats = {cell.precision: (cfg.precision.name, cfg.precision.get("format")) for cell, cfg in cells}
     assert formats == {"amp_bf16": ("amp_bf16", None), "mxfp8": ("mx", "mxfp8"), "nvfp4": ("mx", "nvfp4")}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_bare_loop_survives_overflowing_first_steps_with_fused_sgd(k):
+    """GradScaler + fused SGD with momentum, the first k steps overflowing: the skipped steps leave
+    no optimizer state, and the run ends bit for bit where a run that never overflowed ends. On an
+    H200 (torch 2.11) the bare loop without this went NaN after its first skips (docs/benchmarks)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from mptrain.bench.runners import BareRunner
+
+    cfg = OmegaConf.create({
+        "trainer": {"grad_clip": None},
+        "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False, "impl": "fused",
+                  "weight_decay": 0.0, "no_decay_bn_bias": False},
+        "sched": {"name": "constant", "warmup_steps": 0, "warmup_start_factor": 1.0, "step_size": 1,
+                  "step_unit": "step", "gamma": 1.0, "min_lr_ratio": 0.0},
+    })
+    precision = SimpleNamespace(autocast_dtype=torch.float16, param_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+
+    def train(skips: int) -> tuple[BareRunner, torch.nn.Module, list]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        calls = []
+
+        def loss_fn(x: torch.Tensor) -> torch.Tensor:
+            calls.append(None)
+            loss = model(x).float().square().mean()
+            return loss * math.inf if len(calls) <= skips else loss
+
+        runner = BareRunner(cfg, torch.device("cpu"), precision, [(model, loss_fn)], total_steps=10, steps_per_epoch=10)
+        for i in range(skips):
+            runner.step([batches[0]])
+            assert (i, runner.objectives[0][2].state) == (i, {}), "a skipped step left optimizer state"
+        for x in batches:
+            runner.step([x])
+        return runner, model, calls
+
+    _, skipped, _ = train(k)
+    _, clean, _ = train(0)
+    assert all(torch.equal(a, b) for a, b in zip(skipped.parameters(), clean.parameters(), strict=True))
+    assert all(torch.isfinite(p).all() for p in skipped.parameters())
+

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from mptrain.optim import discard_skipped_state, fresh_params
+
 if TYPE_CHECKING:
     from mptrain.engine import Engine
 
@@ -148,7 +150,14 @@ class BareRunner(Runner):
                 scaler.unscale_(opt)
                 params = [p for g in opt.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=True)
+            # torch's fused SGD keeps the uninitialised momentum of a skipped first step, and a plain
+            # loop then trains on it: on an H200 (torch 2.11, 2026-11-26) this loop's FP16 cells went
+            # NaN after their overflowing first steps while the engine did not. The engine's own
+            # remedy (mptrain.optim), so that both loops do the same work; one sync, first steps only.
+            fresh = fresh_params(opt) if scaler.is_enabled() else []
             scaler.step(opt)
+            if fresh:
+                discard_skipped_state(opt, fresh, sum(scaler._found_inf_per_device(opt).values()))
             scaler.update()
             if pairs:
                 with torch.no_grad():
