@@ -176,12 +176,14 @@ def test_fp8_torchao_alias_is_a_cell_and_off_cuda_a_reason(tmp_path):
 def test_format_aliases_are_cells_of_the_mx_mode():
     from mptrain.bench.cli import build_parser, plan
 
-    args = build_parser().parse_args(["--models", "transformer_lm_tiny", "--precisions", "amp_bf16,mxfp8,nvfp4",
-                                      "--batch-sizes", "2", "--device", "cpu"])
+    args = build_parser().parse_args(["--models", "transformer_lm_tiny", "--precisions",
+                                      "amp_bf16,mxfp8,nvfp4,nvfp4_bf16", "--batch-sizes", "2", "--device", "cpu"])
     cells, skipped, _ = plan(args)
     assert not skipped
-    formats = {cell.precision: (cfg.precision.name, cfg.precision.get("format")) for cell, cfg in cells}
-    assert formats == {"amp_bf16": ("amp_bf16", None), "mxfp8": ("mx", "mxfp8"), "nvfp4": ("mx", "nvfp4")}
+    formats = {cell.precision: (cfg.precision.name, cfg.precision.get("format"), cfg.precision.get("emulated_compute"))
+               for cell, cfg in cells}
+    assert formats == {"amp_bf16": ("amp_bf16", None, None), "mxfp8": ("mx", "mxfp8", "fp32"),
+                       "nvfp4": ("mx", "nvfp4", "fp32"), "nvfp4_bf16": ("mx", "nvfp4", "bf16")}
 
 
 @pytest.mark.parametrize("k", [1, 2])
