@@ -231,3 +231,45 @@ def test_bare_loop_survives_overflowing_first_steps_with_fused_sgd(k):
     assert all(torch.equal(a, b) for a, b in zip(skipped.parameters(), clean.parameters(), strict=True))
     assert all(torch.isfinite(p).all() for p in skipped.parameters())
 
+
+def test_the_h200_figures_in_prose_are_the_runs():
+    """docs/benchmarks/README.md and README.md quote the first GPU run: every figure from its files."""
+    bench_dir = ROOT / "docs/benchmarks"
+
+    def cells(name: str) -> dict[str, dict]:
+        data = json.loads((bench_dir / f"h200-2026-11-26-{name}.json").read_text())
+        assert data["meta"]["device_name"] == "NVIDIA H200"
+        return {c["precision"]: c for c in data["cells"]}
+
+    r50, fp8, fmt = cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats")
+    main_job = json.loads((bench_dir / "h200-2026-11-26-main-job.json").read_text())
+    mixed = r50["amp_fp16"]
+    x = "{:.2f}×".format
+    quotes = [
+        f"| ResNet-50 mixed (amp_fp16) ≥ 3000 img/s | {mixed['throughput']:,.0f} img/s | yes |",
+        f"| mixed ≥ 3× fp32 (TF32 off) | {x(mixed['speedup_vs_fp32'])} "
+        f"(fp32: {r50['fp32']['throughput']:,.0f} img/s) | yes |",
+        f"| mixed ≥ 2× tf32 | {x(mixed['speedup_vs_tf32'])} (tf32: {r50['tf32']['throughput']:,.0f} img/s) | no |",
+        f"| peak memory ≤ 0.6× fp32 | {x(mixed['memory_vs_fp32'])} | yes |",
+        f"| engine/bare ≤ 1.02 | {mixed['overhead']:.3f}× amp_fp16, {r50['amp_bf16']['overhead']:.3f}× amp_bf16, "
+        f"{r50['fp32']['overhead']:.3f}× fp32 | yes |",
+        f"{x(fp8['fp8_torchao']['speedup_vs_bf16'])} tensorwise, {x(fp8['fp8_torchao_rowwise']['speedup_vs_bf16'])} "
+        f"rowwise ({100 * fp8['fp8_torchao']['low_precision_flop_fraction']:.1f}% of the FLOPs in float8)",
+        f"| {x(1 / fmt['mxfp8']['speedup_vs_bf16'])} and {x(1 / fmt['nvfp4']['speedup_vs_bf16'])} bf16's step | no |",
+        f"TF32 is fast ({x(r50['tf32']['speedup_vs_fp32'])} fp32 here), and the FP16 step runs at "
+        f"{100 * mixed['mfu']:.1f}% MFU",
+        f"{100 * fmt['mxfp8']['mfu']:.1f}% (mxfp8) and {100 * fmt['nvfp4']['mfu']:.1f}% (nvfp4)",
+        f"final loss {main_job['final_loss']:.2f}, peak memory {main_job['peak_memory_bytes'] / 2**20:,.0f} MiB",
+        f"({main_job['steps']} steps, {main_job['skipped_steps']} skipped at the start as the dynamic scale fell "
+        f"from 2^16 to 2^{math.log2(main_job['final_loss_scale']):.0f}",
+    ]
+    assert main_job["final_loss_scale"] == 2.0**16 / 2 ** main_job["skipped_steps"]  # GradScaler's start, halved
+    text = " ".join((bench_dir / "README.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in text]
+    assert not missing, missing
+    # The cells the prose calls diverged, and the ones it does not.
+    assert [p for p, c in r50.items() if c["diverged"]] == ["amp_fp16", "fp16_master"]
+    assert fmt["mxfp8"]["compute_dtype"] == fmt["nvfp4"]["compute_dtype"] == "fp32"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"mixed (amp_fp16) {mixed['throughput']:,.0f} img/s, {x(mixed['speedup_vs_fp32'])} fp32 and "
+            f"{x(mixed['speedup_vs_tf32'])} tf32") in readme
