@@ -247,16 +247,18 @@ def test_resume_from_a_checkpoint_of_more_ranks_restores_this_devices_stream(tmp
     assert s["status"] == "completed" and s["steps"] == 3
 
 
-def test_ddp_over_torchrun_one_process(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_torchrun_one_process(tmp_path, parallel):
+    # What a user launches: torchrun, then NCCL on a GPU (gloo on the CPU), DDP or FSDP2 (issue 26).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "mptrain",
-         *SMALL, "precision=mixed", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}"],
+         *SMALL, "precision=mixed", f"parallel={parallel}", "trainer.max_steps=6", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["status"] == "completed" and s["world_size"] == 1
+    assert s["status"] == "completed" and s["world_size"] == 1 and s["parallel"]["name"] == parallel
     assert s["dist_backend"] == ("nccl" if CUDA else "gloo")
 
 
