@@ -10,8 +10,10 @@ entry points run the reference itself: its draws cannot enter a compiled kernel.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -322,3 +324,60 @@ def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
         for net in a:
             for key in a[net]:
                 assert_same(a[net][key].float(), b[net][key].float())
+
+
+# Issue 24's CPU targets: (model, mode) -> the largest step time against FP32 it allows.
+FORMAT_TARGETS = {
+    ("mlp 4x1024 b128", "mxfp8"): 1.5, ("mlp 4x1024 b1024", "mxfp8"): 1.25,
+    ("mlp 4x1024 b128", "nvfp4"): 2.0, ("mlp 4x1024 b1024", "nvfp4"): 1.5,
+    ("mlp 4x1024 b128", "fp8 hybrid"): 1.6, ("mlp 4x1024 b1024", "fp8 hybrid"): 1.3,
+    **{("resnet50/8", m): 2.0 for m in ("fp8 hybrid", "fp8 hybrid tensor", "fp8 hybrid rowwise", "mxfp8", "mxfp6",
+                                         "mxfp4", "nvfp4")},
+}  # fmt: skip
+
+
+def formats_benchmark_rows(path: str = "docs/benchmarks/cpu-2026-11-26-fused-formats.json") -> list[str]:
+    """docs/benchmarks/README.md's table of issue 24's CPU targets, from the benchmark's own file."""
+    data = json.loads((Path(__file__).resolve().parents[1] / path).read_text())
+    rows = {(r["model"], r["mode"]): r for r in data["rows"]}
+    out = []
+    for (model, mode), limit in FORMAT_TARGETS.items():
+        r = rows[(model, mode)]
+        ratio, gap = r["vs_fp32_cpu"], r["gap"]
+        vs = "; ".join(f"{v:.2f}× {k.removeprefix('torchao ')}" for k, v in r.get("vs_torchao_cpu", {}).items())
+        split = f"{gap['quantizers_ms']:.1f} ({gap['quantizer_calls']} calls) {gap['other_ms']:+.1f}"
+        out.append(f"| {model} | {mode} | ≤ {limit}× | {ratio:.2f}× | {'yes' if ratio <= limit else 'no'} | "
+                   f"{vs or '-'} | {gap['gap_ms']:.1f} ms = {split} |")
+    for (model, mode), r in rows.items():
+        if mode.endswith(" (eager reference)"):
+            fast = rows[(model, mode.removesuffix(" (eager reference)"))]
+            out.append(f"| {model} | {fast['mode']} | {r['vs_fp32_cpu']:.2f}× | {fast['vs_fp32_cpu']:.2f}× |")
+    return out
+
+
+def test_the_formats_benchmark_in_prose_is_its_data() -> None:
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/benchmarks/README.md").read_text()
+    missing = [row for row in formats_benchmark_rows() if row not in text]
+    assert not missing, missing
+    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats.json").read_text())
+    calls = [r["gap"]["quantizer_calls"] for r in data["rows"] if r["model"] == "resnet50/8"]
+    calls = [c for c in calls if c]  # fp32 makes none, the eager references are not split
+    assert f"make {min(calls)} to {max(calls)} quantizer calls per step" in " ".join(text.split())
+
+
+
+def test_readme_quotes_the_formats_benchmark() -> None:
+    root = Path(__file__).resolve().parents[1]
+    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats.json").read_text())
+    ratio = {(r["model"], r["mode"]): r["vs_fp32_cpu"] for r in data["rows"]}
+    mlp, big = "mlp 4x1024 b128", "mlp 4x1024 b1024"
+    blocks = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
+    r50 = [v for (model, mode), v in ratio.items() if model == "resnet50/8" and mode in blocks]
+    eager = [v for (_, mode), v in ratio.items() if mode.endswith("(eager reference)")]
+    quote = (f"{ratio[mlp, 'mxfp8']:.2f}× (mxfp8) and {ratio[mlp, 'nvfp4']:.2f}× (nvfp4) an FP32 step for a "
+             f"Linear-heavy MLP at batch 128, {ratio[big, 'mxfp8']:.2f}× and {ratio[big, 'nvfp4']:.2f}× at batch 1024, "
+             f"and {min(r50):.2f}× to {max(r50):.2f}× for ResNet-50/8")
+    readme = " ".join((root / "README.md").read_text().split())
+    assert quote in readme
+    assert f"with the eager quantizers the same steps cost {min(eager):.2f}× to {max(eager):.2f}×" in readme
