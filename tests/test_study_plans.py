@@ -138,3 +138,35 @@ def test_a_real_tiny_plan_runs_caches_pairs_and_is_judged(tmp_path: Path) -> Non
     assert res["provenance"]["study_commit"] == "c" * 40 and res["provenance"]["at_study_commit"] == 2
     readme = (tmp_path / "out" / "README.md").read_text()
     assert "| bf16: amp_bf16 matches fp32 within 50% | **inconclusive** |" in readme and "| ±50% | 1 | 2 |" in readme
+    # What each cell did, read from its runs: its perplexity, and a scaler that never moved (none).
+    row = next(line for line in readme.splitlines() if line.startswith("| amp_bf16 | 1 | 2 |"))
+    assert f"| {ppl['amp_bf16-s0']:.4g} |" in row and row.endswith("| 0 | 1 | - | - |")
+
+
+def test_readme_quotes_the_controls_results() -> None:
+    """README.md's account of plan controls, every figure read from its results.json."""
+    res = json.loads((ROOT / "docs/results/controls/results.json").read_text())
+    claims = {c["id"]: c for c in res["claims"]}
+    runs = res["runs"]
+
+    def one(cell: str, key: str) -> float:
+        (value,) = {r[key] for r in runs if r["cell"] == cell}  # the same on every seed
+        return value
+
+    eff = {k: f"{c['effect']:+.2f}%" for k, c in claims.items()}
+    seeds = {c["n_seeds"] for c in res["claims"]}
+    assert len(seeds) == 1 and {c["margin_text"] for c in res["claims"]} == {"1%"}
+    quote = (f"({len(runs)} runs, {seeds.pop()} paired seeds each, 1% perplexity margins). On the transformer LM, FP8 "
+             f"E5M2 without loss scaling ({eff['d/unscaled']}) and without stochastic rounding ({eff['d/sr']}) are "
+             f"worse than their references by more than the margin; the enhanced rule's floor changes nothing "
+             f"({eff['d/floor']}), even through {one('fp8_storm_nofloor', 'injected_overflows')} injected overflows "
+             f"that take the floorless scale down to 2^{math.log2(one('fp8_storm_nofloor', 'final_loss_scale')):.0f} "
+             f"({eff['d/storm']}). The LSTM LM's dynamic scaler started at 2^24 skips its first "
+             f"{one('lstm_dyn_2p24', 'skipped_steps')} steps backing off and ends {eff['c/from_2p24']} in perplexity "
+             f"over its {claims['c/from_2p24']['steps']} steps; started at 1 it grows to "
+             f"2^{math.log2(one('lstm_dyn_1', 'final_loss_scale')):.0f} and matches FP32 ({eff['c/from_1']}).")
+    verdicts = {k: c["verdict"] for k, c in claims.items()}
+    assert verdicts["d/unscaled"] == verdicts["d/sr"] == verdicts["c/from_1"] == "holds"
+    assert verdicts["d/floor"] == verdicts["d/storm"] == verdicts["c/from_2p24"] == "does not hold"
+    assert one("lstm_dyn_2p24", "final_loss_scale") == 2.0**24 / 2 ** one("lstm_dyn_2p24", "skipped_steps")
+    assert quote in " ".join((ROOT / "README.md").read_text().split())
