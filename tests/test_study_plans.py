@@ -170,3 +170,25 @@ def test_readme_quotes_the_controls_results() -> None:
     assert verdicts["d/floor"] == verdicts["d/storm"] == verdicts["c/from_2p24"] == "does not hold"
     assert one("lstm_dyn_2p24", "final_loss_scale") == 2.0**24 / 2 ** one("lstm_dyn_2p24", "skipped_steps")
     assert quote in " ".join((ROOT / "README.md").read_text().split())
+
+
+def test_readme_quotes_the_formats_like_results() -> None:
+    """README.md's account of plan formats_like, every figure and verdict read from its results.json."""
+    res = json.loads((ROOT / "docs/results/formats_like/results.json").read_text())
+    claims = {c["id"]: c for c in res["claims"]}
+    eff = {k: f"{c['effect']:+.2f}%" for k, c in claims.items()}
+    (seeds,) = {c["n_seeds"] for c in res["claims"]}
+    (steps,) = {c["steps"] for c in res["claims"]}
+    quote = (f"({len(res['runs'])} runs, {seeds} paired seeds each, {steps} steps, the tied head quantized in every "
+             f"parity cell). fp8_hybrid ({eff['parity/fp8_hybrid']}) and mxfp8 ({eff['parity/mxfp8']}) match FP32 "
+             f"within 1% of perplexity; mxfp6 ({eff['parity/mxfp6']}), mxfp4 ({eff['parity/mxfp4']}), mxfp4 with "
+             f"stochastic rounding and the Hadamard transform ({eff['parity/mxfp4_sr_h']}) and NVFP4 with every "
+             f"layer low ({eff['parity/nvfp4_last_low']}) do not. Plain mxfp4 is "
+             f"{claims['mxfp4/sr_hadamard']['effect']:.2f}% worse than with SR and Hadamard. Of NVFP4's recipe only keeping its last layers high matters here "
+             f"({eff['nvfp4/last_low']} without it); without SR ({eff['nvfp4/no_sr']}), the Hadamard transform "
+             f"({eff['nvfp4/no_hadamard']}) or 2D weight tiles ({eff['nvfp4/no_2d']}) it is no worse by the margin.")
+    assert quote in " ".join((ROOT / "README.md").read_text().split())
+    verdict = {k: c["verdict"] for k, c in claims.items()}
+    holds = {"parity/fp8_hybrid", "parity/mxfp8", "mxfp4/sr_hadamard", "nvfp4/last_low"}
+    assert {k for k, v in verdict.items() if v == "holds"} == holds
+    assert all(v == "does not hold" for k, v in verdict.items() if k not in holds)

@@ -602,8 +602,10 @@ def render_readme(res: dict) -> str:
           "configuration, not about long runs of large models, where format errors can accumulate differently.",
           f"- The verdicts cover {n_seeds} seeds; an inconclusive verdict says how many seeds would decide it.",
           f"- Code: every run was made at commit {', '.join(c[:12] for c in res['commits']) or '—'}; the code has "
-          "changed since (FP8's rounding stream among it), so every cell is to be re-run at one current commit: "
-          "the like-for-like design that does so is [../plans/formats_like.md](../plans/formats_like.md).",
+          "changed since (FP8's rounding stream among it). Plan formats_like re-ran fp32, fp8_hybrid, mxfp8, mxfp4 "
+          "and NVFP4 at one later commit, like for like (the tied head quantized, NVFP4's options one at a time) "
+          "and on 8 seeds: [../formats_like/README.md](../formats_like/README.md); bf16 and fp8_e5m2 were not "
+          "re-run.",
           ""]
     return "\n".join(L)
 
