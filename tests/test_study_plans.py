@@ -184,7 +184,8 @@ def test_readme_quotes_the_formats_like_results() -> None:
              f"within 1% of perplexity; mxfp6 ({eff['parity/mxfp6']}), mxfp4 ({eff['parity/mxfp4']}), mxfp4 with "
              f"stochastic rounding and the Hadamard transform ({eff['parity/mxfp4_sr_h']}) and NVFP4 with every "
              f"layer low ({eff['parity/nvfp4_last_low']}) do not. Plain mxfp4 is "
-             f"{claims['mxfp4/sr_hadamard']['effect']:.2f}% worse than with SR and Hadamard. Of NVFP4's recipe only keeping its last layers high matters here "
+             f"{claims['mxfp4/sr_hadamard']['effect']:.2f}% worse than with SR and Hadamard. Of NVFP4's recipe only "
+             f"keeping its last layers high matters here "
              f"({eff['nvfp4/last_low']} without it); without SR ({eff['nvfp4/no_sr']}), the Hadamard transform "
              f"({eff['nvfp4/no_hadamard']}) or 2D weight tiles ({eff['nvfp4/no_2d']}) it is no worse by the margin.")
     assert quote in " ".join((ROOT / "README.md").read_text().split())
