@@ -4,6 +4,7 @@
     python scripts/study.py list                               # the plans and what each has
     python scripts/study.py run PLAN [--quick] [--jobs 2]      # its runs (stamped; current ones cached)
     python scripts/study.py run cnn_hard --stage search        # a plan's stage before its claims' runs
+    python scripts/study.py run cnn_hard --stage check         # (cnn_hard: the chosen recipe on 5 seeds)
     python scripts/study.py report PLAN [--quick] [--partial]  # results.json, README, figures from the runs
     python scripts/study.py render PLAN                        # results.json's claims and the README again,
                                                                # from results.json alone (no run dirs)
@@ -49,6 +50,8 @@ def cmd_run(plan: str, quick: bool, jobs: int, rerun_stale: bool, keep_stale: bo
         raise SystemExit(f"plan {plan!r} has no stages")
     specs = mod.stage_specs(stage) if stage is not None else mod.specs(quick)
     run_specs(specs, runs_dir(plan, quick), jobs, rerun_stale or quick, keep_stale, code)
+    if stage is not None and hasattr(mod, "record_stage"):  # a stage's outcome, committed beside the plan file
+        mod.record_stage(stage, runs_dir(plan, quick))
 
 
 def cmd_report(plan: str, quick: bool, partial: bool) -> None:
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun-stale", action="store_true", help="train again the cached runs of other code")
     ap.add_argument("--keep-stale", action="store_true",
                     help="keep cached runs of other code: reported stale, left out of every claim")
-    ap.add_argument("--stage", default=None, help="run: a stage before the claims' runs (cnn_hard: search)")
+    ap.add_argument("--stage", default=None, help="run: a stage before the claims' runs (cnn_hard: search, check)")
     ap.add_argument("--partial", action="store_true",
                     help="report with runs missing (to runs/study/<plan>/full/report, never docs/results)")
     args = ap.parse_args(argv)

@@ -193,3 +193,22 @@ def test_readme_quotes_the_formats_like_results() -> None:
     holds = {"parity/fp8_hybrid", "parity/mxfp8", "mxfp4/sr_hadamard", "nvfp4/last_low"}
     assert {k for k, v in verdict.items() if v == "holds"} == holds
     assert all(v == "does not hold" for k, v in verdict.items() if k not in holds)
+
+
+def test_cnn_hards_check_accepts_a_recipe_only_inside_its_bounds(tmp_path: Path, monkeypatch) -> None:
+    """Stage check's record and the acceptance rule the plan's notes state: 85-95% mean, std <= 1."""
+    mod = plan("cnn_hard")
+    monkeypatch.setattr(mod, "SEARCH_FILE", tmp_path / "search.json")
+
+    def check(top1: list[float]) -> str:
+        for s, t in zip(mod.check_specs(), top1, strict=True):
+            (tmp_path / "runs" / s.name).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "runs" / s.name / "summary.json").write_text(json.dumps(
+                {"metrics": {"top1": t}, "steps": 4000, "wall_time_s": 1.0, "status": "completed"}))
+        mod.record_stage("check", tmp_path / "runs")
+        return mod.search_lines()[-1]
+
+    assert ": accepted (85-95%, std at most 1 point)." in check([90.0, 90.5, 91.0, 89.5, 90.2])
+    assert "NOT accepted" in check([90.0, 92.5, 88.0, 89.5, 90.2])  # std 1.6 points
+    assert "NOT accepted" in check([96.0, 96.5, 96.2, 95.8, 96.1])  # too close to the ceiling
+    assert json.loads((tmp_path / "search.json").read_text())[mod.check_specs()[0].name]["top1"] == 96.0
