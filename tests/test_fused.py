@@ -126,10 +126,11 @@ def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
     x = adversarial(64, 96, seed=5)
     odd = adversarial(40, 24, seed=6)  # 40 and 24: not multiples of 16 or 32 along either dim
     x4 = adversarial(8, 64 * 9, seed=7).view(8, 64, 3, 3)
+    narrow = adversarial(8, 40 * 4, seed=8).view(8, 40, 2, 2)  # a 2x2 map, 40 channels: padded
     return [
         ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
         ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
-        ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1),
+        ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1), ("padded 2x2 channels", narrow, 1),
     ]  # fmt: skip
 
 
@@ -179,7 +180,7 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
         with fused.reference():
             want = fused.quantize_scaled(t, fmt, stochastic=True, generator=b)
         assert_same(got, want)
-        for dim, view in ((1, t), (0, t), (1, t.t())):
+        for dim, view in ((1, t), (0, t), (1, t.t()), (1, t.reshape(-1, 16, 2, 2)), (0, t.reshape(-1, 16, 2, 2))):
             assert_same(*both(lambda dim=dim, view=view: fused.axiswise_round(view, fmt, dim)))
             a, b = stream_pair()
             got = fused.axiswise_round(view, fmt, dim, stochastic=True, generator=a)

@@ -460,11 +460,17 @@ def quantize_scaled(x: Tensor, fmt: ElementFormat, *, stochastic: bool = False,
 def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool = False,
                    generator: torch.Generator | RoundingStream | None = None) -> Tensor:
     """``qgemm.axiswise_round``, fused (FP32 out, x's layout)."""
+    return _axiswise(x, fmt, dim, stochastic, generator)
+
+
+def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generator: Any) -> Tensor:
     if enabled(x) and x.numel():
         v = view3(x, dim)
         if v is None or v[2] is None:
             v = view3(x.contiguous(), dim)
         x3, back, strides = v  # type: ignore[misc]
+        if not stochastic and _narrow_inner(x3):  # (with draws, their order follows x's own layout)
+            return _axiswise(x.movedim(dim, -1).contiguous(), fmt, -1, False, None).movedim(-1, dim)
         with contextlib.suppress(_Unfused):
             keys, counter = _stream(x, stochastic, generator)
             return back(_call("axis", _opts(stochastic), x3, *_elem(fmt, x.device), *strides, keys, counter))  # type: ignore[misc]
@@ -487,6 +493,17 @@ def quantize_blocks(
     return q.local, q.tensor_scale
 
 
+# Inductor's C++ kernels vectorise along the (A, n, B) view's innermost dim, B. With fewer elements
+# there than one AVX-512 vector (a 2x2 or 3x3 feature map of an NCHW activation, a 3x3 filter's taps)
+# they ran 8 to 11 times slower per element than on a copy with the blocked dim innermost (B = 1): a
+# (32, 256, 2, 2) MXFP8 quantize took 1.2 ms against 0.15 ms with the copy. Measured on CPU only.
+_CPU_MIN_INNER = 16
+
+
+def _narrow_inner(x3: Tensor) -> bool:
+    return x3.device.type == "cpu" and 1 < x3.shape[2] < _CPU_MIN_INNER
+
+
 def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any,
             block_2d: bool) -> tuple[Tensor, Tensor | None]:
     bs = fmt.block_size
@@ -505,6 +522,11 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     v = view3(x, dim) or view3(x.contiguous(), dim)
     assert v is not None  # a contiguous tensor always has its (A, n, B) view
     x3, back, _ = v
+    if _narrow_inner(x3):
+        # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
+        # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
+        local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False)
+        return local.movedim(-1, dim), t_scale
     n = x3.shape[1]
     if n % bs:  # padded here, once, so that the kernels never mask
         x3 = torch.nn.functional.pad(x3, (0, 0, 0, -n % bs))
