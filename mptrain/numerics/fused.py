@@ -470,7 +470,7 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
             v = view3(x.contiguous(), dim)
         x3, back, strides = v  # type: ignore[misc]
         if not stochastic and _narrow_inner(x3):  # (with draws, their order follows x's own layout)
-            return _axiswise(x.movedim(dim, -1).contiguous(), fmt, -1, False, None).movedim(-1, dim)
+            return _like(x, _axiswise(x.movedim(dim, -1).contiguous(), fmt, -1, False, None).movedim(-1, dim))
         with contextlib.suppress(_Unfused):
             keys, counter = _stream(x, stochastic, generator)
             return back(_call("axis", _opts(stochastic), x3, *_elem(fmt, x.device), *strides, keys, counter))  # type: ignore[misc]
@@ -504,6 +504,12 @@ def _narrow_inner(x3: Tensor) -> bool:
     return x3.device.type == "cpu" and 1 < x3.shape[2] < _CPU_MIN_INNER
 
 
+def _like(x: Tensor, q: Tensor) -> Tensor:
+    """``q`` (FP32) in x's memory layout, as the other paths return it: a convolution fed a
+    channels-last result where its weights are not converts layouts on every call."""
+    return torch.empty_like(x, dtype=torch.float32).copy_(q)
+
+
 def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any,
             block_2d: bool) -> tuple[Tensor, Tensor | None]:
     bs = fmt.block_size
@@ -526,7 +532,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
         local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False)
-        return local.movedim(-1, dim), t_scale
+        return _like(x, local.movedim(-1, dim)), t_scale
     n = x3.shape[1]
     if n % bs:  # padded here, once, so that the kernels never mask
         x3 = torch.nn.functional.pad(x3, (0, 0, 0, -n % bs))
