@@ -244,7 +244,6 @@ def main(argv: list[str] | None = None) -> None:
                                      "other_ms": None}
             # The split is for the fused modes: replayed alone, the eager chains' many intermediates
             # meet colder caches than inside the step, and their replay overstated them.
-            q_ms, q_calls = 0.0, 0
             if runs[m].context is contextlib.nullcontext:
                 q_ms, q_calls = quantizer_ms(runs[m], x, y)
                 parts.update(quantizers_ms=round(q_ms, 2), quantizer_calls=q_calls, other_ms=round(gap - q_ms, 2) + 0.0)
@@ -256,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
                 "compile_s": round(compile_s[m], 2), "gap": parts,
             })  # fmt: skip
             split = "" if parts["quantizers_ms"] is None else (
-                f" = quantizers {q_ms:.1f} ({q_calls} calls) + other {gap - q_ms:.1f}")
+                f" = quantizers {parts['quantizers_ms']:.1f} ({parts['quantizer_calls']} calls) + other "
+                f"{parts['other_ms']:.1f}")
             print(f"{model_name:17s} {m:34s} {1e3 * c:8.1f} ms cpu  x{c / base_cpu:5.2f}  {1e3 * w:8.1f} ms wall  "
                   f"gap {gap:.1f}{split}")
         for m in list(runs):
