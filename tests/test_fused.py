@@ -23,7 +23,14 @@ from torch import nn
 from mptrain.numerics import formats as nf
 from mptrain.numerics import fused
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
-from mptrain.numerics.qgemm import AxiswiseQuantizer, BlockQuantizer, GemmRecipe, QuantLinearFn, RngStreams
+from mptrain.numerics.qgemm import (
+    AxiswiseQuantizer,
+    BlockQuantizer,
+    GemmRecipe,
+    QuantConv2dFn,
+    QuantLinearFn,
+    RngStreams,
+)
 from mptrain.numerics.rounding_rng import RoundingStream
 
 
@@ -228,30 +235,123 @@ def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:
 # whole GEMMs: forward, dgrad and wgrad (the Hadamard transform, 2D tiles, stochastic gradients)
 
 
-def linear_step(recipe_of: Callable[[], GemmRecipe]) -> tuple[torch.Tensor, ...]:
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA device")])
+
+
+def linear_step(recipe_of: Callable[[], GemmRecipe], device: str = "cpu") -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(15)
-    x = torch.randn(37, 48, generator=g).requires_grad_()  # 37 tokens: padded for the Hadamard transform
-    w = (torch.randn(40, 48, generator=g) * 0.1).requires_grad_()
-    b = torch.randn(40, generator=g).requires_grad_()
+    x = torch.randn(37, 48, generator=g).to(device).requires_grad_()  # 37 tokens: padded for the Hadamard transform
+    w = (torch.randn(40, 48, generator=g) * 0.1).to(device).requires_grad_()
+    b = torch.randn(40, generator=g).to(device).requires_grad_()
     y = QuantLinearFn.apply(x, w, b, recipe_of())
-    y.backward(torch.randn(37, 40, generator=g))
+    y.backward(torch.randn(37, 40, generator=g).to(device))
     return y, x.grad, w.grad, b.grad  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8"])
-def test_quantized_linear_with_the_full_recipe(name: str) -> None:
+def conv_step(recipe_of: Callable[[], GemmRecipe], device: str = "cpu", channels_last: bool = False
+              ) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(16)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(3, 40, 9, 9, generator=g).to(device, memory_format=layout).requires_grad_()  # 40: padded blocks
+    w = (torch.randn(24, 40, 3, 3, generator=g) * 0.1).to(device, memory_format=layout).requires_grad_()
+    b = torch.randn(24, generator=g).to(device).requires_grad_()
+    y = QuantConv2dFn.apply(x, w, b, recipe_of(), (2, 2), (1, 1), (1, 1))
+    y.backward(torch.randn(y.shape, generator=g).to(device))
+    return y, x.grad, w.grad, b.grad  # type: ignore[return-value]
+
+
+def full_recipe(name: str) -> Callable[[], GemmRecipe]:
+    """A format's recipe with SR and the Hadamard transform; "FORMAT bf16": products in bf16."""
+    fmt, _, compute = name.partition(" ")
+
     def recipe() -> GemmRecipe:
-        q = BlockQuantizer(BLOCK_FORMATS[name], stochastic_grads=True, rng=RngStreams(5))
-        return GemmRecipe(quantizer=q, hadamard_signs=GemmRecipe.signs(7), weight_2d=name == "nvfp4")
+        q = BlockQuantizer(BLOCK_FORMATS[fmt], stochastic_grads=True, rng=RngStreams(5))
+        return GemmRecipe(quantizer=q, hadamard_signs=GemmRecipe.signs(7), weight_2d=fmt == "nvfp4",
+                          compute_dtype=torch.bfloat16 if compute == "bf16" else torch.float32)
 
-    assert_same(*both(lambda: linear_step(recipe)))
+    return recipe
 
 
-def test_rowwise_fp8_linear() -> None:
-    def recipe() -> GemmRecipe:
-        return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2, True, RngStreams(2)))
+def rowwise_recipe() -> GemmRecipe:
+    return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2, True, RngStreams(2)))
 
-    assert_same(*both(lambda: linear_step(recipe)))
+
+# "graph": the layer's GEMMs as one compiled graph per direction (qgemm._gemms; the default on CUDA
+# only, turned on here for the CPU), "per call": a fused kernel per quantizer (the CPU default).
+PATHS = {"per call": (), "graph": ("cpu",)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4", "mxfp8", "mxfp8 bf16"])
+def test_quantized_linear_with_the_full_recipe(name: str, path: str) -> None:
+    with fused.graphs(*PATHS[path]):
+        assert_same(*both(lambda: linear_step(full_recipe(name))))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_rowwise_fp8_linear(path: str) -> None:
+    with fused.graphs(*PATHS[path]):
+        assert_same(*both(lambda: linear_step(rowwise_recipe)))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_quantized_conv2d_with_the_full_recipe(name: str, channels_last: bool) -> None:
+    """Stride 2, padding 1, 40 channels (padded to blocks) and the whole recipe, fused against the
+    reference, in either memory format (the quantizers return different layouts; the convolutions
+    must not see that)."""
+    assert_same(*both(lambda: conv_step(full_recipe(name), channels_last=channels_last)))
+
+
+def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a graph device a Linear layer makes one compiled call per direction (none given up); a
+    graph that cannot be built costs its variant the graph, not the result."""
+    monkeypatch.setattr(fused, "_graphs", {})
+    monkeypatch.setattr(fused, "_given_up", set())
+    calls: list[str] = []
+    real = fused.call_graph
+    monkeypatch.setattr(fused, "call_graph", lambda body, *a: calls.append(body.__name__) or real(body, *a))
+    with fused.graphs("cpu"):
+        linear_step(full_recipe("mxfp8"))
+    assert calls == ["_linear_fwd", "_linear_bwd"]
+    assert sorted(k.split("|")[0] for k in fused._graphs) == ["_linear_bwd", "_linear_fwd"] and not fused._given_up
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(fused, "_graphs", dict.fromkeys(fused._graphs, broken))
+    with fused.graphs("cpu"):
+        got = linear_step(full_recipe("mxfp8"))
+    with fused.reference():
+        want = linear_step(full_recipe("mxfp8"))
+    assert_same(got, want)
+    assert len(fused._given_up) == 2
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "nvfp4 bf16", "mxfp8 bf16"])
+def test_quantized_gemms_on_cuda_match_the_reference(name: str, device: str) -> None:
+    """On a GPU, Linear's graphs (Triton, cuBLAS) and Conv2d's per-call kernels against the eager
+    reference on the same GPU, with the whole recipe: bit for bit."""
+    assert fused.graph_enabled(torch.zeros(1, device=device))
+    assert_same(*both(lambda: linear_step(full_recipe(name), device)))
+    assert_same(*both(lambda: conv_step(full_recipe(name), device)))
+    assert_same(*both(lambda: conv_step(full_recipe(name), device, channels_last=True)))
+    assert_same(*both(lambda: linear_step(rowwise_recipe, device)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("fmt", [BLOCK_FORMATS["mxfp8"], BLOCK_FORMATS["nvfp4"]], ids=lambda f: f.name)
+def test_blocks_on_cuda_in_every_layout(fmt: BlockFormat, device: str) -> None:
+    for name, x, dim in block_cases(fmt):
+        x = x.to(device)
+        assert_same(*both(lambda x=x, dim=dim: fused.quantize_blocks(x, fmt, dim))), name
+        a, b = RoundingStream(3, device), RoundingStream(3, device)
+        got = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=a)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=b)
+        assert_same(got, want), name
 
 
 def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -152,8 +152,11 @@ def _kernel(name: str, variant: str) -> Callable[..., Any]:
 def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     """Run kernel ``name`` on ``x`` and ``args``, in the variant of its static ``options`` and of
     x's unit dims. x is detached: gradients never flow through a quantizer (the layers' autograd
-    functions own that), and requires_grad would be one more guard."""
+    functions own that), and requires_grad would be one more guard. Inside a graph being compiled
+    (``call_graph``), the body is traced into it."""
     x = x.detach()
+    if torch.compiler.is_compiling():
+        return _BODIES[name](x, *args)
     variant = options + "_" + "".join("1" if s == 1 else "x" for s in x.shape)
     for d, s in enumerate(x.shape):
         if s != 1:
@@ -168,6 +171,79 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
         log.warning("fused quantizer %s recompiled too often (torch._dynamo.config.recompile_limit); it runs the "
                     "eager reference from here on", key)
         raise _Unfused from None
+
+
+_graphs: dict[str, Callable[..., Any]] = {}
+
+
+def blocks_fusable(fmt: mx.BlockFormat) -> bool:
+    """Whether the block kernels know ``fmt`` (MX blocks of 32, NVFP4 blocks of 16, elements that fit)."""
+    return fmt.block_size == (16 if fmt.two_level else 32) and _fits(fmt.element)
+
+
+def element_fusable(fmt: ElementFormat) -> bool:
+    """Whether the element kernels know ``fmt``."""
+    return _fits(fmt)
+
+
+def prepare(fmt: ElementFormat, device: torch.device) -> None:
+    """Make ``fmt``'s constants on ``device`` before a graph is traced that reads them (a graph must
+    not create the cached tensors it reads)."""
+    _elem(fmt, device)
+
+
+# Where qgemm runs a layer's GEMMs as one graph (see ``qgemm._gemms`` for why CUDA only).
+_graph_devices: set[str] = {"cuda"}
+
+
+@contextlib.contextmanager
+def graphs(*device_types: str) -> Iterator[None]:
+    """Run qgemm's Linear GEMMs as graphs on these device types inside the block (the tests' way to
+    check the graphs on a CPU)."""
+    global _graph_devices
+    before, _graph_devices = _graph_devices, set(device_types)
+    try:
+        yield
+    finally:
+        _graph_devices = before
+
+
+def graph_enabled(x: Tensor) -> bool:
+    """Whether qgemm runs the GEMMs of ``x``'s layer as one compiled graph."""
+    return x.device.type in _graph_devices and enabled(x)
+
+
+def call_graph(body: Callable[..., Any], *args: Any) -> Any:
+    """``body(*args)`` as one compiled graph, the fused quantizers traced into it: a layer's GEMMs in
+    one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
+    (flags, tuples, dtypes, which tensors are absent) and the tensors' unit dims name it, and every
+    other dim is dynamic, so that a model's layers share a few graphs and never hit dynamo's
+    recompile limit. After a compile failure of a variant, its calls run ``body`` eagerly."""
+    def sig(a: Any) -> str:
+        if isinstance(a, Tensor):
+            return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
+        return "-" if a is None else repr(a).replace(" ", "")
+    variant = body.__name__ + "|" + ",".join(sig(a) for a in args if not hasattr(a, "quantizer"))
+    if variant in _given_up:
+        return body(*args)
+    k = _graphs.get(variant)
+    if k is None:
+        code = body.__code__.replace(co_name=f"{body.__name__}_{len(_graphs)}")
+        fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
+        k = _graphs[variant] = torch.compile(fn, fullgraph=True, options={"pattern_matcher": False})
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+    for a in args:
+        if isinstance(a, Tensor):
+            for d, s in enumerate(a.shape):
+                if s != 1:
+                    torch._dynamo.maybe_mark_dynamic(a, d)
+    try:
+        return k(*args)
+    except Exception as exc:  # past the recompile limit, or a graph dynamo or inductor cannot build
+        _given_up.add(variant)
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        log.warning("fused GEMM graph %s: %s; its calls run eagerly from here on", variant, reason)
+        return body(*args)
 
 
 def _opts(*flags: Any) -> str:
@@ -396,13 +472,25 @@ _BODIES: dict[str, Callable[..., Any]] = {
 # (A, n, B) views
 
 
+def _by_stride(x: Tensor) -> list[int]:
+    """x's dims from the largest stride to the smallest, ties in dim order: sorted() with a key, as
+    an insertion sort, which dynamo can trace (``call_graph``)."""
+    order: list[int] = []
+    for i in range(x.dim()):
+        j = len(order)
+        while j > 0 and x.stride(order[j - 1]) < x.stride(i):
+            j -= 1
+        order.insert(j, i)
+    return order
+
+
 def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], tuple[int, int, int] | None] | None:
     """x as an (A, n, B) view of its storage with ``dim`` as n, and a function taking such a tensor
     back to x's logical layout; None when no view keeps the other dims in their logical order (the
     caller then copies x to contiguous first). Third: x's row-major strides along (A, n, B), where
     A's and B's dims are each a run of consecutive logical dims (else None)."""
     d = dim % x.dim()
-    order = sorted(range(x.dim()), key=lambda i: (-x.stride(i), i)) if not x.is_contiguous() else list(range(x.dim()))
+    order = list(range(x.dim())) if x.is_contiguous() else _by_stride(x)
     base = x.permute(order)
     rest = [i for i in order if i != d]
     if not base.is_contiguous() or rest != sorted(rest):
@@ -471,6 +559,9 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
         x3, back, strides = v  # type: ignore[misc]
         if not stochastic and _narrow_inner(x3):  # (with draws, their order follows x's own layout)
             return _like(x, _axiswise(x.movedim(dim, -1).contiguous(), fmt, -1, False, None).movedim(-1, dim))
+        if torch.compiler.is_compiling():  # call_graph checked the stream
+            keys, counter = _stream(x, stochastic, generator)
+            return back(_call("axis", _opts(stochastic), x3, *_elem(fmt, x.device), *strides, keys, counter))  # type: ignore[misc]
         with contextlib.suppress(_Unfused):
             keys, counter = _stream(x, stochastic, generator)
             return back(_call("axis", _opts(stochastic), x3, *_elem(fmt, x.device), *strides, keys, counter))  # type: ignore[misc]
@@ -485,6 +576,8 @@ def quantize_blocks(
 ) -> tuple[Tensor, Tensor | None]:
     """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros."""
     if enabled(x) and x.numel() and (not block_2d or x.dim() >= 2):
+        if torch.compiler.is_compiling():  # call_graph checked that the kernels know the format
+            return _blocks(x, fmt, dim, stochastic, generator, block_2d)
         with contextlib.suppress(_Unfused):
             return _blocks(x, fmt, dim, stochastic, generator, block_2d)
     if stochastic and generator is None:

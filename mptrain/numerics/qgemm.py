@@ -103,6 +103,15 @@ class BlockQuantizer:
             block_2d=role == "weight_2d",
         )  # fmt: skip
 
+    def fusable(self, device: torch.device) -> bool:
+        """Whether a graph of this quantizer's calls can be compiled (``fused.call_graph``); makes
+        what the graph reads on ``device`` first."""
+        if not fused.blocks_fusable(self.fmt):
+            return False
+        fused.prepare(self.fmt.element, device)
+        self.rng.get(device)
+        return True
+
 
 @dataclass
 class AxiswiseQuantizer:
@@ -120,6 +129,15 @@ class AxiswiseQuantizer:
         fmt = self.backward if role == "grad" else self.forward
         sr = self.stochastic_grads and role == "grad"
         return fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
+
+    def fusable(self, device: torch.device) -> bool:
+        """As ``BlockQuantizer.fusable``."""
+        if not (fused.element_fusable(self.forward) and fused.element_fusable(self.backward)):
+            return False
+        fused.prepare(self.forward, device)
+        fused.prepare(self.backward, device)
+        self.rng.get(device)
+        return True
 
 
 @dataclass
@@ -140,6 +158,11 @@ class GemmRecipe:
     def rotation(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         return hadamard_rotation(self._signs, device, dtype)  # type: ignore[arg-type]
 
+    def rotation_for(self, dy: Tensor) -> Tensor | None:
+        """wgrad's FP32 rotation on dy's device, or None without the Hadamard transform (built and
+        cached outside the compiled graph, which takes it as an input)."""
+        return None if self._signs is None else self.rotation(dy.device, torch.float32)
+
     @staticmethod
     def signs(seed: int) -> Tensor:
         """The Hadamard sign vector for ``seed`` (CPU; moved to each operand's device)."""
@@ -159,18 +182,103 @@ def _scale(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
     return y * s
 
 
-def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
+def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor,
+                    rot: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """Quantize the wgrad GEMM's operands g (rows, K) and x (cols, K), both along K (tokens); with
     the Hadamard transform, K is zero-padded to a multiple of 16 and both are rotated first."""
     if recipe.hadamard_signs is not None:
         extra = -g.shape[1] % HADAMARD_SIZE
         if extra:
             g, x = F.pad(g, (0, extra)), F.pad(x, (0, extra))
-        g = rotate(g, 1, recipe.rotation(g.device, g.dtype))
-        x = rotate(x, 1, recipe.rotation(x.device, x.dtype))
+        g, x = rotate(g, 1, rot), rotate(x, 1, rot)  # type: ignore[arg-type]
     gl, gs = recipe.quantizer(g, 1, "grad")
     xl, xs = recipe.quantizer(x, 1, "input")
     return gl, gs, xl, xs
+
+
+def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> tuple[Tensor, Tensor | None,
+                                                                                            Tensor | None]:
+    """fprop: (y, the quantized weight if it serves dgrad too (2D tiles), its tensor scale)."""
+    cd = recipe.compute_dtype
+    # Quantized in x's own shape (blocks along its last dim), so that the output is no view:
+    # the next layer may modify it in place (AlexNet's and VGG's ReLU(inplace=True)).
+    xl, xs = recipe.quantizer(x, -1, "input")
+    wl, ws = recipe.quantizer(weight, 1, "weight_2d" if recipe.weight_2d else "weight")
+    y = _scale((xl.to(cd) @ wl.to(cd).t()).float(), xs, ws)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), (wl if recipe.weight_2d else None), ws
+
+
+def _linear_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Tensor | None, recipe: GemmRecipe,
+                needs: tuple[bool, bool], w_dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
+    """dgrad and wgrad; ``w`` is the weight, or its quantized 2D tiles."""
+    cd = recipe.compute_dtype
+    x2 = x.reshape(-1, x.shape[-1])
+    g = dy.reshape(-1, dy.shape[-1]).float()
+    dx = dw = None
+    if needs[0]:
+        gl, gs = recipe.quantizer(g, 1, "grad")  # along out_features
+        wl, ws = (w, w_scale) if recipe.weight_2d else recipe.quantizer(w, 0, "weight")  # along out_features
+        dx = _scale((gl.to(cd) @ wl.to(cd)).float(), gs, ws).reshape(x.shape).to(x.dtype)
+    if needs[1]:
+        gl, gs, xl, xs = _wgrad_operands(recipe, g.t(), x2.float().t(), rot)  # (out, N), (in, N)
+        dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).to(w_dtype)
+    return dx, dw
+
+
+def _conv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe, stride: tuple[int, int],
+              padding: tuple[int, int], dilation: tuple[int, int]) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    cd = recipe.compute_dtype
+    xl, xs = recipe.quantizer(x, 1, "input")  # per pixel, along C_in
+    wl, ws = _conv_weight(recipe, weight, "fprop")
+    y = F.conv2d(_as(xl.to(cd), x), _as(wl.to(cd), weight), None, stride, padding, dilation)
+    y = _scale(y.float(), xs, ws)
+    if bias is not None:
+        y = y + bias.float().view(1, -1, 1, 1)
+    return y.to(x.dtype), (wl if recipe.weight_2d else None), ws
+
+
+def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Tensor | None, recipe: GemmRecipe,
+              needs: tuple[bool, bool], w_dtype: torch.dtype, stride: tuple[int, int],
+              padding: tuple[int, int], dilation: tuple[int, int]) -> tuple[Tensor | None, Tensor | None]:
+    cd = recipe.compute_dtype
+    g = dy.float()
+    dx = dw = None
+    if needs[0]:
+        gl, gs = recipe.quantizer(g, 1, "grad")  # per output pixel, along C_out
+        wl, ws = (w, w_scale) if recipe.weight_2d else _conv_weight(recipe, w, "dgrad")
+        dx = torch.nn.grad.conv2d_input(x.shape, _as(wl.to(cd), w), _as(gl.to(cd), dy), stride, padding, dilation)
+        dx = _scale(dx.float(), gs, ws).to(x.dtype)
+    if needs[1]:
+        c_out, c_in, kh, kw = w.shape
+        # wgrad contracts over (batch, output pixel): the im2col columns of x, (N, C_in*kh*kw, L), against dy.
+        cols = F.unfold(x.float(), (kh, kw), dilation=dilation, padding=padding, stride=stride)
+        a = g.permute(1, 0, 2, 3).reshape(c_out, -1)
+        b = cols.permute(1, 0, 2).reshape(c_in * kh * kw, -1)
+        gl, gs, xl, xs = _wgrad_operands(recipe, a, b, rot)
+        dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).reshape(w.shape).to(w_dtype)
+    return dx, dw
+
+
+def _gemms(body: Any, recipe: GemmRecipe, x: Tensor, *args: Any) -> Any:
+    """Run one direction of a Linear layer's GEMMs (``body``: quantizers, products, scales, bias) as
+    one compiled graph on a device where ``fused.graph_devices`` says so (CUDA), else eagerly, each
+    quantizer a fused kernel of its own (or the reference).
+
+    Why a graph on a GPU: each call into a compiled function costs tens of microseconds of host time
+    (guards, the runtime wrapper), a layer has up to six quantizers, and on a GPU a small layer's
+    quantizers and GEMMs take less than that, so the host set the pace (an H200 ran transformer_lm's
+    mxfp8 step at 2.7x bf16's). The graph holds the same ops as the eager body: inductor fuses the
+    elementwise ones and calls the same GEMM kernels (tests hold the results bit-identical). Not on a
+    CPU, where the GEMMs set the pace and a graph saved 5-10% of an MLP step, nor for convolutions,
+    whose many shapes and options recompiled past dynamo's limit (ResNet-50/8: minutes of compiles,
+    then slower)."""
+    with no_autocast(x):
+        fusable = getattr(recipe.quantizer, "fusable", None)
+        if not fused.graph_enabled(x) or fusable is None or not fusable(x.device):
+            return body(x, *args)
+        return fused.call_graph(body, x, *args)
 
 
 class QuantLinearFn(torch.autograd.Function):
@@ -178,47 +286,22 @@ class QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> Tensor:  # type: ignore[override]
-        with no_autocast(x):
-            return QuantLinearFn._forward(ctx, x, weight, bias, recipe)
-
-    @staticmethod
-    def _forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe) -> Tensor:
-        cd = recipe.compute_dtype
-        # Quantized in x's own shape (blocks along its last dim), so that the output is no view:
-        # the next layer may modify it in place (AlexNet's and VGG's ReLU(inplace=True)).
-        xl, xs = recipe.quantizer(x, -1, "input")
-        wl, ws = recipe.quantizer(weight, 1, "weight_2d" if recipe.weight_2d else "weight")
-        y = _scale((xl.to(cd) @ wl.to(cd).t()).float(), xs, ws)
-        if bias is not None:
-            y = y + bias.float()
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
-        ctx.w_dtype, ctx.w_scale = weight.dtype, ws
+        y, w2d, ws = _gemms(_linear_fwd, recipe, x, weight, bias, recipe)
+        ctx.recipe, ctx.w_dtype, ctx.w_scale = recipe, weight.dtype, ws
         # 2D tiles: the forward's quantized weight is also dgrad's (W^T has the same tiles).
-        ctx.save_for_backward(x, wl if recipe.weight_2d else weight)
-        return y.to(x.dtype)
+        ctx.save_for_backward(x, w2d if recipe.weight_2d else weight)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        with no_autocast(dy):
-            return QuantLinearFn._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         recipe: GemmRecipe = ctx.recipe
-        cd = recipe.compute_dtype
         x, w = ctx.saved_tensors
-        x2 = x.reshape(-1, x.shape[-1])
-        g = dy.reshape(-1, dy.shape[-1]).float()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            gl, gs = recipe.quantizer(g, 1, "grad")  # along out_features
-            wl, ws = (w, ctx.w_scale) if recipe.weight_2d else recipe.quantizer(w, 0, "weight")  # along out_features
-            dx = _scale((gl.to(cd) @ wl.to(cd)).float(), gs, ws).reshape(ctx.x_shape).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            gl, gs, xl, xs = _wgrad_operands(recipe, g.t(), x2.float().t())  # (out, N), (in, N)
-            dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum(0)  # the bias is added in high precision; its gradient is a high-precision reduction
+        needs = tuple(ctx.needs_input_grad[:2])
+        dx, dw = _gemms(_linear_bwd, recipe, dy, x, w, ctx.w_scale, recipe.rotation_for(dy), recipe, needs,
+                        ctx.w_dtype)
+        # The bias is added in high precision; its gradient is a high-precision reduction, eager:
+        # inductor's reduction would add in another order.
+        db = dy.reshape(-1, dy.shape[-1]).float().sum(0) if ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
 
@@ -230,54 +313,30 @@ class QuantConv2dFn(torch.autograd.Function):
         ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe,
         stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
     ) -> Tensor:
+        conv = (tuple(stride), tuple(padding), tuple(dilation))
         with no_autocast(x):
-            return QuantConv2dFn._forward(ctx, x, weight, bias, recipe, stride, padding, dilation)
-
-    @staticmethod
-    def _forward(
-        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe,
-        stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
-    ) -> Tensor:
-        cd = recipe.compute_dtype
-        xl, xs = recipe.quantizer(x, 1, "input")  # per pixel, along C_in
-        wl, ws = _conv_weight(recipe, weight, "fprop")
-        y = _scale(F.conv2d(xl.to(cd), wl.to(cd), None, stride, padding, dilation).float(), xs, ws)
-        if bias is not None:
-            y = y + bias.float().view(1, -1, 1, 1)
-        ctx.recipe, ctx.conv = recipe, (stride, padding, dilation)
-        ctx.x_dtype, ctx.w_dtype, ctx.has_bias, ctx.w_scale = x.dtype, weight.dtype, bias is not None, ws
-        ctx.save_for_backward(x, wl if recipe.weight_2d else weight)
-        return y.to(x.dtype)
+            y, w2d, ws = _conv_fwd(x, weight, bias, recipe, *conv)
+        ctx.recipe, ctx.conv, ctx.w_dtype, ctx.w_scale = recipe, conv, weight.dtype, ws
+        ctx.save_for_backward(x, w2d if recipe.weight_2d else weight)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        with no_autocast(dy):
-            return QuantConv2dFn._backward(ctx, dy)
-
-    @staticmethod
-    def _backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         recipe: GemmRecipe = ctx.recipe
-        cd = recipe.compute_dtype
-        stride, padding, dilation = ctx.conv
         x, w = ctx.saved_tensors
-        g = dy.float()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            gl, gs = recipe.quantizer(g, 1, "grad")  # per output pixel, along C_out
-            wl, ws = (w, ctx.w_scale) if recipe.weight_2d else _conv_weight(recipe, w, "dgrad")
-            dx = torch.nn.grad.conv2d_input(x.shape, wl.to(cd), gl.to(cd), stride, padding, dilation)
-            dx = _scale(dx.float(), gs, ws).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            c_out, c_in, kh, kw = w.shape
-            # wgrad contracts over (batch, output pixel): the im2col columns of x, (N, C_in*kh*kw, L), against dy.
-            cols = F.unfold(x.float(), (kh, kw), dilation=dilation, padding=padding, stride=stride)
-            a = g.permute(1, 0, 2, 3).reshape(c_out, -1)
-            b = cols.permute(1, 0, 2).reshape(c_in * kh * kw, -1)
-            gl, gs, xl, xs = _wgrad_operands(recipe, a, b)
-            dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).reshape(w.shape).to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g.sum((0, 2, 3))
+        needs = tuple(ctx.needs_input_grad[:2])
+        with no_autocast(dy):
+            dx, dw = _conv_bwd(dy, x, w, ctx.w_scale, recipe.rotation_for(dy), recipe, needs, ctx.w_dtype, *ctx.conv)
+        db = dy.float().sum((0, 2, 3)) if ctx.needs_input_grad[2] else None  # as QuantLinearFn's, eager
         return dx, dw, db, None, None, None, None
+
+
+def _as(q: Tensor, like: Tensor) -> Tensor:
+    """``q`` dense in ``like``'s memory format (channels-last or contiguous). A quantizer may return
+    a strided view (padded blocks, a transposed copy), and a convolution's algorithm, so the order of
+    its sums, follows its operands' layout: the same layout whichever quantizer path ran."""
+    cl = like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
+    return q.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
 
 
 def _conv_weight(recipe: GemmRecipe, w: Tensor, gemm: str) -> tuple[Tensor, Tensor | None]:
