@@ -57,6 +57,10 @@ _forced_reference = os.environ.get("MPTRAIN_FUSED", "1").strip().lower() in ("0"
 _kernels: dict[str, Callable[..., Any]] = {}
 _given_up: set[str] = set()  # kernels that run the reference after a compile failure
 _params: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+# Inductor's Triton code divides with div.full (approximate: NVFP4's scales came out an ulp off
+# the reference on an H200) and flushes FP32 subnormals to zero (MX's smallest scales are
+# subnormal): eager's rounding of both, asked for (no effect on a CPU's C++ kernels).
+_EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,7 +149,7 @@ def _kernel(name: str, variant: str) -> Callable[..., Any]:
         body = _BODIES[name]
         code = body.__code__.replace(co_name=f"{body.__name__}_{variant}")
         fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-        k = _kernels[key] = torch.compile(fn, fullgraph=True)
+        k = _kernels[key] = torch.compile(fn, fullgraph=True, options=_EAGER_NUMERICS)
     return k
 
 
@@ -216,21 +220,25 @@ def graph_enabled(x: Tensor) -> bool:
 def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     """``body(*args)`` as one compiled graph, the fused quantizers traced into it: a layer's GEMMs in
     one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
-    (flags, tuples, dtypes, which tensors are absent) and the tensors' unit dims name it, and every
-    other dim is dynamic, so that a model's layers share a few graphs and never hit dynamo's
-    recompile limit. After a compile failure of a variant, its calls run ``body`` eagerly."""
+    (flags, tuples, dtypes, which tensors are absent, a recipe's ``graph_key``) and the tensors' unit
+    dims name it, and every other dim is dynamic, so that a model's layers share a few graphs and
+    never hit dynamo's recompile limit. After a compile failure of a variant, its calls run ``body``
+    eagerly."""
     def sig(a: Any) -> str:
         if isinstance(a, Tensor):
             return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
+        if hasattr(a, "graph_key"):  # a GEMM recipe
+            return a.graph_key()
         return "-" if a is None else repr(a).replace(" ", "")
-    variant = body.__name__ + "|" + ",".join(sig(a) for a in args if not hasattr(a, "quantizer"))
+    variant = body.__name__ + "|" + ",".join(sig(a) for a in args)
     if variant in _given_up:
         return body(*args)
     k = _graphs.get(variant)
     if k is None:
         code = body.__code__.replace(co_name=f"{body.__name__}_{len(_graphs)}")
         fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-        k = _graphs[variant] = torch.compile(fn, fullgraph=True, options={"pattern_matcher": False})
+        # no pattern passes: they fused the bias add into the GEMM (addmm), which sums in another order
+        k = _graphs[variant] = torch.compile(fn, fullgraph=True, options={**_EAGER_NUMERICS, "pattern_matcher": False})
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     for a in args:
         if isinstance(a, Tensor):

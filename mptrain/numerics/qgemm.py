@@ -103,6 +103,10 @@ class BlockQuantizer:
             block_2d=role == "weight_2d",
         )  # fmt: skip
 
+    def graph_key(self) -> str:
+        """What a compiled graph of this quantizer specialises on (``fused.call_graph``)."""
+        return f"{self.fmt.name}{'-sr' if self.stochastic_grads else ''}"
+
     def fusable(self, device: torch.device) -> bool:
         """Whether a graph of this quantizer's calls can be compiled (``fused.call_graph``); makes
         what the graph reads on ``device`` first."""
@@ -130,6 +134,9 @@ class AxiswiseQuantizer:
         sr = self.stochastic_grads and role == "grad"
         return fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
 
+    def graph_key(self) -> str:
+        return f"{self.forward.name}/{self.backward.name}{'-sr' if self.stochastic_grads else ''}"
+
     def fusable(self, device: torch.device) -> bool:
         """As ``BlockQuantizer.fusable``."""
         if not (fused.element_fusable(self.forward) and fused.element_fusable(self.backward)):
@@ -154,6 +161,12 @@ class GemmRecipe:
         # the signs as host values, read once: the rotation is then cached per device and dtype
         signs = self.hadamard_signs
         self._signs = None if signs is None else tuple(int(v) for v in signs.tolist())
+
+    def graph_key(self) -> str:
+        """The recipe's static choices, in a compiled graph's variant name: each recipe compiles its own
+        graphs (one process may run several: the benchmark's cells) rather than recompiling one."""
+        return (f"{self.quantizer.graph_key()}:{str(self.compute_dtype)[6:]}:{'rht' if self._signs else ''}:"
+                f"{'2d' if self.weight_2d else ''}")
 
     def rotation(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         return hadamard_rotation(self._signs, device, dtype)  # type: ignore[arg-type]
