@@ -39,15 +39,28 @@ def param_groups(module: nn.Module, weight_decay: float, no_decay_bn_bias: bool)
 
 def _impl_kwargs(impl: str, device: torch.device, groups: list[dict[str, Any]]) -> dict[str, bool]:
     """fused: one kernel for the whole update, and with GradScaler the step is skipped on the
-    device (no host sync). auto picks it on CUDA when every parameter is a floating CUDA tensor."""
+    device (no host sync). auto picks it on CUDA when every parameter is a floating CUDA tensor,
+    foreach for FSDP2's sharded parameters."""
     if impl == "fused":
         return {"fused": True}
     if impl == "foreach":
         return {"foreach": True}
     if impl == "for_loop":
         return {"foreach": False}
-    all_float = all(p.is_floating_point() for g in groups for p in g["params"])
-    return {"fused": True} if device.type == "cuda" and all_float else {}
+    params = [p for g in groups for p in g["params"]]
+    if any(_is_dtensor(p) for p in params):
+        # FSDP2's shards are DTensors, and torch 2.11 has no DTensor rule for fused SGD's kernel
+        # (NotImplementedError for aten._fused_sgd_ on an H200); its foreach kernels have rules.
+        return {"foreach": True}
+    return {"fused": True} if device.type == "cuda" and all(p.is_floating_point() for p in params) else {}
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(p, DTensor)
 
 
 def fresh_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

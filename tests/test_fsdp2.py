@@ -489,3 +489,25 @@ def test_mixed_on_cuda_gathers_fp16_and_reduces_in_fp32(tmp_path):
     if gathered == "float32":
         assert "no param_dtype_override_fn" in mp["why"]
     assert s["status"] == "completed" and s["final_loss"] < 5
+
+
+def test_auto_optimizer_impl_is_foreach_for_sharded_parameters() -> None:
+    """On CUDA ``optim.impl=auto`` picks the fused kernels, but not for FSDP2's DTensor shards:
+    torch 2.11 has no DTensor rule for fused SGD (an H200 run failed there), foreach has."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from mptrain.optim import _impl_kwargs
+
+    cuda = torch.device("cuda")  # only the device's type is read
+    plain = [{"params": [torch.nn.Parameter(torch.zeros(4, 4))]}]
+    assert _impl_kwargs("auto", cuda, plain) == {"fused": True}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [{"params": [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))]}]
+        assert _impl_kwargs("auto", cuda, sharded) == {"foreach": True}
+        assert _impl_kwargs("fused", cuda, sharded) == {"fused": True}  # asked for: as asked
+    finally:
+        dist.destroy_process_group()
