@@ -32,6 +32,7 @@ from torch import Tensor
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
+from mptrain.numerics import fused
 from mptrain.numerics.plan import flop_counter
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s by compute dtype. fp32 is the CUDA-core rate
@@ -137,7 +138,7 @@ def compute_dtype(precision: Any) -> str:
     resolved = precision.resolved
     if precision.fp8 == "torchao":
         return "bf16"
-    if precision.fp8 == "emulated":
+    if precision.emulated:  # emulated FP8 and the block formats: their products' dtype
         return "bf16" if precision.options.get("emulated_compute") == "bf16" else "fp32"
     if resolved == "tf32":
         return "tf32"
@@ -369,6 +370,9 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
         rec.update(_figures("bare_", b_time if bare is not None else None, units, opts.window))
         rec["losses"] = e_losses
         rec["bare_losses"] = b_losses
+        # The emulated formats' compiled GEMM graphs so far in this process, and any given up (their
+        # layers then ran per-quantizer kernels): what to look at when a formats cell is slow.
+        rec["fused_graphs"] = {"compiled": len(fused._graphs), "given_up": sorted(fused._given_up)}
         rec["loss_max_rel_diff"] = _rel_diff(e_losses, b_losses)
 
         if opts.profile and opts.out is not None:
