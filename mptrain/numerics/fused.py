@@ -21,6 +21,9 @@ The element format is a kernel argument (a few constants on the device), not com
 MX formats share one block kernel and every FP8/FP6/FP4/FP16 rounding one element kernel, so a run,
 or the test suite, compiles a handful of kernels (each once, for every shape: dims are dynamic).
 
+On CUDA, ``qgemm`` traces these entry points into one compiled graph per direction of a Linear
+layer (``call_graph``): one call into compiled code per layer, not one per quantizer.
+
 Where torch.compile cannot run (no C++ compiler, no Triton, an unsupported platform), the first call
 on that device logs one line and every call runs the eager reference. ``MPTRAIN_FUSED=0`` in the
 environment, or ``with reference():``, does the same on purpose (tests, debugging).
@@ -58,8 +61,8 @@ _kernels: dict[str, Callable[..., Any]] = {}
 _given_up: set[str] = set()  # kernels that run the reference after a compile failure
 _params: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
 # Inductor's Triton code divides with div.full (approximate: NVFP4's scales came out an ulp off
-# the reference on an H200) and flushes FP32 subnormals to zero (MX's smallest scales are
-# subnormal): eager's rounding of both, asked for (no effect on a CPU's C++ kernels).
+# the reference on an H200) and may flush FP32 subnormals to zero (MX's smallest scales are
+# subnormal): these options ask for eager's rounding of both (Triton options).
 _EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
 
 

@@ -276,8 +276,8 @@ def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Ten
 
 def _gemms(body: Any, recipe: GemmRecipe, x: Tensor, *args: Any) -> Any:
     """Run one direction of a Linear layer's GEMMs (``body``: quantizers, products, scales, bias) as
-    one compiled graph on a device where ``fused.graph_devices`` says so (CUDA), else eagerly, each
-    quantizer a fused kernel of its own (or the reference).
+    one compiled graph where ``fused.graph_enabled`` says so (CUDA), else eagerly, each quantizer a
+    fused kernel of its own (or the reference).
 
     Why a graph on a GPU: each call into a compiled function costs tens of microseconds of host time
     (guards, the runtime wrapper), a layer has up to six quantizers, and on a GPU a small layer's
