@@ -349,3 +349,12 @@ def test_the_second_h200_run_in_prose_is_its_data():
     assert (f"mixed {mixed['throughput']:,.0f} img/s, {x(mixed['speedup_vs_fp32'])} fp32 and "
             f"{x(mixed['speedup_vs_tf32'])} tf32; float8 {x(fp8['fp8_torchao']['speedup_vs_bf16'])} bf16; "
             f"the emulated formats still {slower('mxfp8')} (mxfp8) and {slower('nvfp4')} (nvfp4)") in readme
+
+
+def test_the_graph_replay_gave_nothing_up():
+    """The prose says a CPU replay of the H200's formats cells gave no graph up, at the run's commit
+    and after: both replays' own lines."""
+    text = (ROOT / "docs/benchmarks/cpu-2026-11-26-graph-replay.txt").read_text()
+    assert text.count("given up: none") == 2 and "fused GEMM graph" not in text
+    cells = [line.split()[0] for line in text.splitlines() if line.startswith(("amp_bf16", "mxfp8", "nvfp4"))]
+    assert cells == ["amp_bf16", "mxfp8", "mxfp8_bf16", "nvfp4", "nvfp4_bf16"] * 2
