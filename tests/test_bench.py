@@ -232,17 +232,23 @@ def test_bare_loop_survives_overflowing_first_steps_with_fused_sgd(k):
     assert all(torch.isfinite(p).all() for p in skipped.parameters())
 
 
-def test_the_h200_figures_in_prose_are_the_runs():
-    """docs/benchmarks/README.md and README.md quote the first GPU run: every figure from its files."""
+def h200_run(prefix: str) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict], dict]:
+    """A gpu_check run's three tables (cells by precision: ResNet-50, FP8, the formats) and its main job."""
     bench_dir = ROOT / "docs/benchmarks"
 
     def cells(name: str) -> dict[str, dict]:
-        data = json.loads((bench_dir / f"h200-2026-11-26-{name}.json").read_text())
+        data = json.loads((bench_dir / f"{prefix}-{name}.json").read_text())
         assert data["meta"]["device_name"] == "NVIDIA H200"
         return {c["precision"]: c for c in data["cells"]}
 
-    r50, fp8, fmt = cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats")
-    main_job = json.loads((bench_dir / "h200-2026-11-26-main-job.json").read_text())
+    main_job = json.loads((bench_dir / f"{prefix}-main-job.json").read_text())
+    return cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats"), main_job
+
+
+def test_the_h200_figures_in_prose_are_the_runs():
+    """docs/benchmarks/README.md and README.md quote the first GPU run: every figure from its files."""
+    bench_dir = ROOT / "docs/benchmarks"
+    r50, fp8, fmt, main_job = h200_run("h200-2026-11-26")
     mixed = r50["amp_fp16"]
     x = "{:.2f}×".format
     quotes = [
@@ -295,14 +301,7 @@ def test_mfu_of_an_emulated_cell_is_against_its_products_dtype():
 def test_the_second_h200_run_in_prose_is_its_data():
     """docs/benchmarks/README.md's and README.md's figures of the second GPU run, from its files."""
     bench_dir = ROOT / "docs/benchmarks"
-
-    def cells(name: str) -> dict[str, dict]:
-        data = json.loads((bench_dir / f"h200-2026-11-26-run2-{name}.json").read_text())
-        assert data["meta"]["device_name"] == "NVIDIA H200"
-        return {c["precision"]: c for c in data["cells"]}
-
-    r50, fp8, fmt = cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats")
-    main_job = json.loads((bench_dir / "h200-2026-11-26-run2-main-job.json").read_text())
+    r50, fp8, fmt, main_job = h200_run("h200-2026-11-26-run2")
     mixed = r50["amp_fp16"]
     x = "{:.2f}×".format
 
