@@ -336,10 +336,11 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
 
 
 @pytest.mark.parametrize("device", [CUDA])
-@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "nvfp4 bf16", "mxfp8 bf16"])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8 bf16"])
 def test_quantized_gemms_on_cuda_match_the_reference(name: str, device: str) -> None:
     """On a GPU, Linear's graphs (Triton, cuBLAS) and Conv2d's per-call kernels against the eager
-    reference on the same GPU, with the whole recipe: bit for bit."""
+    reference on the same GPU, with the whole recipe: bit for bit. Two cases, as each compiles its
+    kernels cold (about 45 s on an H200): NVFP4 (its scales divide) and MXFP8 with bf16 products."""
     assert fused.graph_enabled(torch.zeros(1, device=device))
     assert_same(*both(lambda: linear_step(full_recipe(name), device)))
     assert_same(*both(lambda: conv_step(full_recipe(name), device)))
