@@ -344,6 +344,11 @@ def test_the_second_h200_run_in_prose_is_its_data():
     # the test logs' counts, as the prose gives them
     log = (bench_dir / "h200-2026-11-26-run2-gpu-check-tests.log").read_text()
     assert "2 failed, 89 passed" in log and "927 passed" in log and "36 cut by the limit" in log
+    cuda_log = (bench_dir / "h200-2026-11-26-run2-cuda-tests.log").read_text()
+    assert "fused differs from the reference in 403 values" in cuda_log  # of 37 x 40 outputs: test_fused.linear_step
+    assert "403 of the NVFP4 Linear's 1,480 outputs" in text
+    first = h200_run("h200-2026-11-26")[2]["amp_bf16"]["step_time_s"]
+    assert f"against {1e3 * first:.1f} ms in the first run" in text
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"mixed {mixed['throughput']:,.0f} img/s, {x(mixed['speedup_vs_fp32'])} fp32 and "
             f"{x(mixed['speedup_vs_tf32'])} tf32; float8 {x(fp8['fp8_torchao']['speedup_vs_bf16'])} bf16; "
