@@ -284,7 +284,7 @@ def _gemms(body: Any, recipe: GemmRecipe, x: Tensor, *args: Any) -> Any:
     quantizers and GEMMs take less than that, so the host set the pace (an H200 ran transformer_lm's
     mxfp8 step at 2.7x bf16's). The graph holds the same ops as the eager body: inductor fuses the
     elementwise ones and calls the same GEMM kernels (tests hold the results bit-identical). Not on a
-    CPU, where the GEMMs set the pace and a graph saved 5-10% of an MLP step, nor for convolutions,
+    CPU, where the GEMMs set the pace and a graph saved little of an MLP step, nor for convolutions,
     whose many shapes and options recompiled past dynamo's limit (ResNet-50/8: minutes of compiles,
     then slower)."""
     with no_autocast(x):
