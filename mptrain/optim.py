@@ -48,11 +48,13 @@ def _impl_kwargs(impl: str, device: torch.device, groups: list[dict[str, Any]]) 
     if impl == "for_loop":
         return {"foreach": False}
     params = [p for g in groups for p in g["params"]]
+    if device.type != "cuda" or not all(p.is_floating_point() for p in params):
+        return {}
     if any(_is_dtensor(p) for p in params):
         # FSDP2's shards are DTensors, and torch 2.11 has no DTensor rule for fused SGD's kernel
         # (NotImplementedError for aten._fused_sgd_ on an H200); its foreach kernels have rules.
         return {"foreach": True}
-    return {"fused": True} if device.type == "cuda" and all(p.is_floating_point() for p in params) else {}
+    return {"fused": True}
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:

@@ -508,6 +508,7 @@ def test_auto_optimizer_impl_is_foreach_for_sharded_parameters() -> None:
         mesh = init_device_mesh("cpu", (1,))
         sharded = [{"params": [torch.nn.Parameter(distribute_tensor(torch.zeros(4, 4), mesh, [Shard(0)]))]}]
         assert _impl_kwargs("auto", cuda, sharded) == {"foreach": True}
+        assert _impl_kwargs("auto", torch.device("cpu"), sharded) == {}  # torch's own choice, as before
         assert _impl_kwargs("fused", cuda, sharded) == {"fused": True}  # asked for: as asked
     finally:
         dist.destroy_process_group()
