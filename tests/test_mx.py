@@ -566,3 +566,19 @@ def test_an_outer_autocast_does_not_change_what_emulated_gemms_compute_in(layer:
 
     (y0, g0), (y1, g1) = run(False), run(True)
     assert torch.equal(y0, y1) and torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_pointwise_conv_wgrad_is_the_unfold_gemm(stride: int) -> None:
+    """A 1x1 convolution's wgrad takes x's pixels as its columns without aten's im2col: the same
+    GEMM as the unfold one (the reference here), blocked along batch x output pixel."""
+    torch.manual_seed(2)
+    conv = nn.Conv2d(48, 40, 1, stride=stride, bias=False)
+    x = torch.randn(3, 48, 7, 7).requires_grad_()
+    y = QuantConv2dFn.apply(x, conv.weight, None, recipe_for("mxfp8"), conv.stride, conv.padding, conv.dilation)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    cols = F.unfold(x.detach(), 1, stride=stride)  # (N, C_in, L)
+    a = fake_quantize(dy.permute(1, 0, 2, 3).reshape(40, -1), "mxfp8", 1)
+    b = fake_quantize(cols.permute(1, 0, 2).reshape(48, -1), "mxfp8", 1)
+    assert torch.equal(conv.weight.grad.reshape(40, 48), a @ b.t())

@@ -32,6 +32,7 @@ environment, or ``with reference():``, does the same on purpose (tests, debuggin
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -514,6 +515,33 @@ def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], tupl
     back to x's logical layout; None when no view keeps the other dims in their logical order (the
     caller then copies x to contiguous first). Third: x's row-major strides along (A, n, B), where
     A's and B's dims are each a run of consecutive logical dims (else None)."""
+    # Eager: worked out once per shape, stride and dim (a step makes hundreds of these calls). Traced
+    # into a graph (call_graph), where sizes may be symbolic: every time.
+    compiling = torch.compiler.is_compiling()
+    lay = _layout(x, dim) if compiling else _cached_layout(tuple(x.shape), x.stride(), dim)
+    if lay is None:
+        return None
+    order, inverse, shape, three_shape, strides = lay
+    base = x.permute(order) if inverse is not None else x
+
+    def back(t: Tensor) -> Tensor:
+        t = t.reshape(shape)
+        return t.permute(inverse) if inverse is not None else t
+
+    return base.reshape(three_shape), back, strides
+
+
+_Layout = tuple[list[int], list[int] | None, tuple[int, ...], tuple[int, int, int], tuple[int, int, int] | None]
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_layout(shape: tuple[int, ...], stride: tuple[int, ...], dim: int) -> _Layout | None:
+    return _layout(torch.empty_strided(shape, stride, device="meta"), dim)
+
+
+def _layout(x: Tensor, dim: int) -> _Layout | None:
+    """view3's plan: (the permutation to x's storage order, its inverse or None for the identity,
+    the permuted shape, (A, n, B), the strides of the docstring), or None."""
     d = dim % x.dim()
     order = list(range(x.dim())) if x.is_contiguous() else _by_stride(x)
     base = x.permute(order)
@@ -522,16 +550,13 @@ def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], tupl
         return None
     bd = order.index(d)
     a_dims, b_dims = order[:bd], order[bd + 1:]
-    shape, inverse = base.shape, [order.index(i) for i in range(x.dim())]
-
-    def back(t: Tensor) -> Tensor:
-        return t.reshape(shape).permute(inverse)
-
+    inverse = [order.index(i) for i in range(x.dim())]
     logical = [math.prod(x.shape[i + 1:]) for i in range(x.dim())]
     runs = all(g == list(range(g[0], g[0] + len(g))) for g in (a_dims, b_dims) if g)
     strides = (logical[a_dims[-1]] if a_dims else 0, logical[d], logical[b_dims[-1]] if b_dims else 0) if runs else None
-    three = base.reshape(math.prod(shape[:bd]), shape[bd], math.prod(shape[bd + 1:]))
-    return three, back, strides
+    shape = tuple(base.shape)
+    three = (math.prod(shape[:bd]), shape[bd], math.prod(shape[bd + 1:]))
+    return order, (None if order == sorted(order) else inverse), shape, three, strides
 
 
 # --------------------------------------------------------------------------------------------
