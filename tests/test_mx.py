@@ -568,17 +568,25 @@ def test_an_outer_autocast_does_not_change_what_emulated_gemms_compute_in(layer:
     assert torch.equal(y0, y1) and torch.equal(g0, g1)
 
 
-@pytest.mark.parametrize("stride", [1, 2])
-def test_pointwise_conv_wgrad_is_the_unfold_gemm(stride: int) -> None:
-    """A 1x1 convolution's wgrad takes x's pixels as its columns without aten's im2col: the same
-    GEMM as the unfold one (the reference here), blocked along batch x output pixel."""
+@pytest.mark.parametrize(("k", "stride", "padding", "size", "channels_last"), [
+    (1, 1, 0, 7, False), (1, 2, 0, 7, False), (1, 1, 0, 3, True),  # unpadded 1x1: strided at every size
+    (3, 1, 1, 9, False), (3, 1, 1, 9, True), (7, 2, 3, 20, False),  # rows of >= 8 pixels: strided
+    (3, 2, 1, 7, False),  # narrower rows: aten's unfold
+])
+def test_conv_wgrad_columns_are_the_unfold_gemm(k: int, stride: int, padding: int, size: int,
+                                                channels_last: bool) -> None:
+    """wgrad's im2col columns, taken as one strided copy of x where that is faster than aten's
+    unfold: the same GEMM as the unfold one (the reference here), blocked along batch x pixel."""
     torch.manual_seed(2)
-    conv = nn.Conv2d(48, 40, 1, stride=stride, bias=False)
-    x = torch.randn(3, 48, 7, 7).requires_grad_()
+    conv = nn.Conv2d(48, 40, k, stride=stride, padding=padding, bias=False)
+    x = torch.randn(3, 48, size, size)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x.requires_grad_()
     y = QuantConv2dFn.apply(x, conv.weight, None, recipe_for("mxfp8"), conv.stride, conv.padding, conv.dilation)
     dy = torch.randn_like(y)
     y.backward(dy)
-    cols = F.unfold(x.detach(), 1, stride=stride)  # (N, C_in, L)
+    cols = F.unfold(x.detach(), k, padding=padding, stride=stride)  # (N, C_in*k*k, L)
     a = fake_quantize(dy.permute(1, 0, 2, 3).reshape(40, -1), "mxfp8", 1)
-    b = fake_quantize(cols.permute(1, 0, 2).reshape(48, -1), "mxfp8", 1)
-    assert torch.equal(conv.weight.grad.reshape(40, 48), a @ b.t())
+    b = fake_quantize(cols.permute(1, 0, 2).reshape(48 * k * k, -1), "mxfp8", 1)
+    assert torch.equal(conv.weight.grad.reshape(40, -1), a @ b.t())
