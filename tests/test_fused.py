@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -445,7 +446,7 @@ FORMAT_TARGETS = {
 }  # fmt: skip
 
 
-def formats_benchmark_rows(path: str = "docs/benchmarks/cpu-2026-11-26-fused-formats.json") -> list[str]:
+def formats_benchmark_rows(path: str = "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json") -> list[str]:
     """docs/benchmarks/README.md's table of issue 24's CPU targets, from the benchmark's own file."""
     data = json.loads((Path(__file__).resolve().parents[1] / path).read_text())
     rows = {(r["model"], r["mode"]): r for r in data["rows"]}
@@ -469,16 +470,50 @@ def test_the_formats_benchmark_in_prose_is_its_data() -> None:
     text = (root / "docs/benchmarks/README.md").read_text()
     missing = [row for row in formats_benchmark_rows() if row not in text]
     assert not missing, missing
-    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats.json").read_text())
+    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json").read_text())
     calls = [r["gap"]["quantizer_calls"] for r in data["rows"] if r["model"] == "resnet50/8"]
     calls = [c for c in calls if c]  # fp32 makes none, the eager references are not split
     assert f"make {min(calls)} to {max(calls)} quantizer calls per step" in " ".join(text.split())
 
 
 
+_PERF_BUCKETS = {  # perf's shared objects, by what runs there
+    "libpython": "python", "libtorch_python": "python", "libtorch_cpu": "aten", "libc10": "aten",
+    "libstdc++": "aten", ".main.so": "kernels", "[kernel.kallsyms]": "os", "libc.so": "os", "ld-linux": "os",
+    "[JIT]": "jit",
+}  # fmt: skip
+
+
+def perf_gap_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-resnet50-8-perf.txt") -> str:
+    """The benchmark notes' sentence on what ResNet-50/8's MXFP8 step adds to FP32's, from perf's file:
+    each shared object's share of a step, times the step, summed per kind, MXFP8 minus FP32."""
+    text = (Path(__file__).resolve().parents[1] / path).read_text()
+    ms: dict[str, dict[str, float]] = {}
+    step: dict[str, float] = {}
+    for section in text.split("\n## ")[1:]:
+        mode = section.split("\n", 1)[0].strip()
+        step[mode] = float(re.search(r"steps, ([\d.]+) ms a step", section).group(1))  # type: ignore[union-attr]
+        ms[mode] = {}
+        for pct, dso in re.findall(r"^\s*([\d.]+)%\s+(.+)$", section, re.M):
+            kind = next(k for key, k in _PERF_BUCKETS.items() if key in dso)
+            ms[mode][kind] = ms[mode].get(kind, 0.0) + float(pct) / 100 * step[mode]
+    add = {k: ms["mxfp8"].get(k, 0.0) - ms["fp32"].get(k, 0.0) for k in _PERF_BUCKETS.values()}
+    gap = step["mxfp8"] - step["fp32"]
+    return (f"of the {gap:.0f} ms an MXFP8 step adds to FP32's {step['fp32']:.1f} ms, {add['python']:.0f} ms are "
+            f"Python (the interpreter and its bindings: the layers' autograd functions, the quantizer wrappers, "
+            f"torch.compile's wrapper around each call), {add['aten']:.0f} ms ATen and its dispatcher (the extra "
+            f"ops, copies and pads), {add['os']:.0f} ms the OS and the allocator, and {add['kernels']:.0f} ms the "
+            f"compiled quantizer kernels.")
+
+
+def test_the_perf_profile_in_prose_is_its_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    assert perf_gap_sentence() in text
+
+
 def test_readme_quotes_the_formats_benchmark() -> None:
     root = Path(__file__).resolve().parents[1]
-    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats.json").read_text())
+    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json").read_text())
     ratio = {(r["model"], r["mode"]): r["vs_fp32_cpu"] for r in data["rows"]}
     mlp, big = "mlp 4x1024 b128", "mlp 4x1024 b1024"
     blocks = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
