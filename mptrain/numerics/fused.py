@@ -3,9 +3,10 @@
 Emulating a format is a chain of elementwise ops (abs, amax, exponent, scale, round, clamp, select),
 and run eagerly every op is one pass over memory: quantize-dequantize took 74% of an MXFP8 step.
 Each function here is the same arithmetic as its reference, written once as plain torch code and
-handed to ``torch.compile``, which fuses it into one or two loops (vectorised C++ on a CPU, Triton on
-a GPU): one pass to find the scales, one to round. What compile cannot fuse is done differently, on
-purpose, and the tests hold every result bit-identical to the eager reference:
+handed to ``torch.compile``, which fuses it into two passes over the operand (vectorised C++ on a
+CPU, Triton on a GPU): one to find the scales, one to round (the scales themselves, one per block,
+are stored in between: ``_kept``). What compile cannot fuse is done differently, on purpose, and the
+tests hold every result bit-identical to the eager reference:
 
 - FP8/FP16/BF16 rounding uses the arithmetic rounding (``formats.round_arith``'s rule, with the
   exponent read from the float's bits), not a cast to the 8-bit dtype: inductor's CPU code converts
