@@ -590,3 +590,25 @@ def test_conv_wgrad_columns_are_the_unfold_gemm(k: int, stride: int, padding: in
     a = fake_quantize(dy.permute(1, 0, 2, 3).reshape(40, -1), "mxfp8", 1)
     b = fake_quantize(cols.permute(1, 0, 2).reshape(48 * k * k, -1), "mxfp8", 1)
     assert torch.equal(conv.weight.grad.reshape(40, -1), a @ b.t())
+
+
+def test_converted_layers_trace_under_a_users_torch_compile() -> None:
+    """torch.compile around converted layers (the library API: dynamo traces each autograd function,
+    its backward too) traces them, with graph breaks but no error, and computes what eager does. A
+    3x3 conv on 8-pixel rows takes wgrad's strided-columns path when eager."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 1), nn.Flatten(),
+                        nn.Linear(32 * 64, 10))  # fmt: skip
+    model, _ = convert_model(net, {"format": "mxfp8"})
+    x = torch.randn(4, 16, 8, 8)
+
+    def grads(m: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    want = grads(model)
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, backend="eager"))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)

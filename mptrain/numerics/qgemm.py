@@ -354,7 +354,9 @@ def _wgrad_columns(x: Tensor, k: tuple[int, int], stride: tuple[int, int], paddi
     kh, kw = k
     ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    if wo < 8 and not (k == (1, 1) and padding == (0, 0)):
+    # Traced by dynamo (a user's torch.compile around converted layers), unfold: its strides are
+    # symbolic there, and as_strided on them failed to trace (an error, not a graph break).
+    if torch.compiler.is_compiling() or (wo < 8 and not (k == (1, 1) and padding == (0, 0))):
         cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
         return cols.permute(1, 0, 2).reshape(c * kh * kw, -1)
     xp = F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
