@@ -592,10 +592,10 @@ def test_conv_wgrad_columns_are_the_unfold_gemm(k: int, stride: int, padding: in
     assert torch.equal(conv.weight.grad.reshape(40, -1), a @ b.t())
 
 
-def test_converted_layers_trace_under_a_users_torch_compile() -> None:
-    """torch.compile around converted layers (the library API: dynamo traces each autograd function,
-    its backward too) traces them, with graph breaks but no error, and computes what eager does. A
-    3x3 conv on 8-pixel rows takes wgrad's strided-columns path when eager."""
+def test_converted_layers_under_a_users_torch_compile() -> None:
+    """torch.compile around converted layers (the library API) runs them as graph breaks and gives
+    eager's gradients bit for bit. Traced by dynamo, their autograd functions gave zero gradients on
+    torch 2.11 (this test fails there without ``torch.compiler.disable`` on the layers' forwards)."""
     torch.manual_seed(3)
     net = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 1), nn.Flatten(),
                         nn.Linear(32 * 64, 10))  # fmt: skip
@@ -612,3 +612,14 @@ def test_converted_layers_trace_under_a_users_torch_compile() -> None:
     got = grads(torch.compile(model, backend="eager"))
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_wgrad_columns_trace_under_dynamo() -> None:
+    """qgemm's wgrad columns traced with symbolic shapes (QuantConv2dFn under a compile) take the
+    unfold path: the strided one failed to trace, an error rather than a graph break."""
+    from mptrain.numerics.qgemm import _wgrad_columns
+
+    x = torch.randn(3, 8, 9, 9)
+    args = ((3, 3), (1, 1), (1, 1), (1, 1))
+    traced = torch.compile(_wgrad_columns, backend="eager", fullgraph=True, dynamic=True)
+    assert torch.equal(traced(x, *args), _wgrad_columns(x, *args))

@@ -76,7 +76,12 @@ def prefixed(network: str, decisions: list[LayerDecision]) -> list[LayerDecision
 
 class _MxMixin:
     """Shared by the converted layers; ``mx_recipe`` is set by ``convert_model`` (a plain attribute:
-    parameter names and state_dict keys stay the original layer's)."""
+    parameter names and state_dict keys stay the original layer's).
+
+    Their forwards are ``torch.compiler.disable``d: under a user's torch.compile a converted layer is
+    a graph break and runs as it does eagerly (its quantizers are compiled kernels of their own).
+    Traced by dynamo instead, the layers' autograd functions gave zero gradients on torch 2.11 (2.15
+    was right), silently."""
 
     mx_recipe: GemmRecipe
     mx_format: str
@@ -93,6 +98,7 @@ class _MxMixin:
 class MxLinear(_MxMixin, nn.Linear):
     """nn.Linear whose three GEMMs run on block-quantized operands (mptrain.numerics.qgemm)."""
 
+    @torch.compiler.disable  # see _MxMixin
     def forward(self, input: Tensor) -> Tensor:
         return QuantLinearFn.apply(input, self.weight, self.bias, self.mx_recipe)
 
@@ -100,6 +106,7 @@ class MxLinear(_MxMixin, nn.Linear):
 class MxConv2d(_MxMixin, nn.Conv2d):
     """nn.Conv2d (groups=1, zero padding) whose three GEMMs run on block-quantized operands."""
 
+    @torch.compiler.disable  # see _MxMixin
     def forward(self, input: Tensor) -> Tensor:
         return QuantConv2dFn.apply(
             input, self.weight, self.bias, self.mx_recipe, self.stride, self.padding, self.dilation

@@ -324,6 +324,7 @@ class Fp8Linear(_Fp8Mixin, nn.Linear):
 
     fp8_recipe: GemmRecipe | None = None  # scaling=rowwise
 
+    @torch.compiler.disable  # as MxLinear's: a graph break under a user's torch.compile
     def forward(self, input: Tensor) -> Tensor:
         if self.fp8_recipe is not None:
             return QuantLinearFn.apply(input, self.weight, self.bias, self.fp8_recipe)
@@ -338,6 +339,7 @@ class Fp8Conv2d(_Fp8Mixin, nn.Conv2d):
 
     fp8_recipe: GemmRecipe | None = None  # scaling=rowwise
 
+    @torch.compiler.disable  # as MxConv2d's
     def forward(self, input: Tensor) -> Tensor:
         if self.fp8_recipe is not None:
             return QuantConv2dFn.apply(
