@@ -135,10 +135,14 @@ def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
     odd = adversarial(40, 24, seed=6)  # 40 and 24: not multiples of 16 or 32 along either dim
     x4 = adversarial(8, 64 * 9, seed=7).view(8, 64, 3, 3)
     narrow = adversarial(8, 40 * 4, seed=8).view(8, 40, 2, 2)  # a 2x2 map, 40 channels: padded
+    # under one block (an RGB stem, a narrow layer's 8 channels at a 3x3 filter's taps): one short block
+    rgb = adversarial(8, 3 * 25, seed=9).view(8, 3, 5, 5)
+    taps = adversarial(12, 8 * 9, seed=10).view(12, 8, 3, 3)
     return [
         ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
         ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
         ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1), ("padded 2x2 channels", narrow, 1),
+        ("3 channels", rgb, 1), ("8 channels at 3x3 taps", taps, 1), ("12 columns", odd[:, :12], 1),
     ]  # fmt: skip
 
 

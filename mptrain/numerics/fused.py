@@ -439,14 +439,15 @@ def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
     return per_block
 
 
-def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
+def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
               counter: Tensor | None) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
-    multiple of the block (the caller pads). Uniforms follow the reference's layout,
-    x.movedim(dim, -1): element (a, i, b) is draw (a * B + b) * N + i."""
+    multiple of the block (the caller pads), or, ``short``, N under one block: one block, its
+    zero padding left out (it changes no amax). Uniforms follow the reference's layout,
+    x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N."""
     bs = 16 if kind == "nvfp4" else 32
     a, n, b = x3.shape
-    blocks = x3.float().view(a, n // bs, bs, b)
+    blocks = x3.float().view(a, 1, n, b) if short else x3.float().view(a, n // bs, bs, b)
     amax = blocks.abs().amax(2, keepdim=True)
     t_amax = t_scale = None
     if kind == "nvfp4":
@@ -457,10 +458,10 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None
     if keys is not None:
         dev = x3.device
         idx = ((torch.arange(a, dtype=torch.int32, device=dev).view(a, 1, 1) * b
-                + torch.arange(b, dtype=torch.int32, device=dev).view(1, 1, b)) * n
+                + torch.arange(b, dtype=torch.int32, device=dev).view(1, 1, b)) * (bs if short else n)
                + torch.arange(n, dtype=torch.int32, device=dev).view(1, n, 1))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
-        u = uniform_from_index(idx.view(a, n // bs, bs, b), ka, kb)
+        u = uniform_from_index(idx.view(blocks.shape), ka, kb)
     q = _round(blocks * mult, pf, pi, u)
     return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if b != 1 else ())
 
@@ -679,11 +680,15 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False)
         return _like(x, local.movedim(-1, dim)), t_scale
     n = x3.shape[1]
-    if n % bs:  # padded here, once, so that the kernels never mask
+    # Under one block (3 input channels, a narrow layer's 8): no padding, the kernel takes the dim as
+    # one block; else padded here, once, so that the kernels never mask.
+    short = n < bs
+    pad = n % bs and not short
+    if pad:
         x3 = torch.nn.functional.pad(x3, (0, 0, 0, -n % bs))
     keys, counter = _stream(x, stochastic, generator)
-    local, t_scale = _call("blocks", _opts(kind, stochastic), x3, pf, pi, kind, keys, counter)[:2]
-    return back(local[:, :n] if n % bs else local), t_scale
+    local, t_scale = _call("blocks", _opts(kind, stochastic, short), x3, pf, pi, kind, short, keys, counter)[:2]
+    return back(local[:, :n] if pad else local), t_scale
 
 
 def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool = False,
