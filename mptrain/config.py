@@ -368,6 +368,7 @@ class TrainerConfig:
     deterministic: bool = False  # deterministic kernels only (cuDNN, cuBLAS, scatter): for exact reruns
     max_nonfinite_steps: int = 50  # consecutive non-finite losses before the run is stopped
     warmup_windows: int = 1  # logging windows left out of the throughput median
+    gc_every: int = 50  # steps between Python GC passes (generation 1) with automatic GC off; 0: automatic
 
 
 @dataclass
@@ -472,6 +473,7 @@ def validate(cfg: DictConfig) -> None:
     _at_least(t.grad_accum, 1, "trainer.grad_accum")
     _at_least(t.max_nonfinite_steps, 1, "trainer.max_nonfinite_steps")
     _at_least(t.warmup_windows, 0, "trainer.warmup_windows")
+    _at_least(t.gc_every, 0, "trainer.gc_every")
     _positive(t.grad_clip, "trainer.grad_clip", allow_none=True)
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
     _one_of(t.compile_mode, ("default", "reduce-overhead", "max-autotune"), "trainer.compile_mode")

@@ -173,6 +173,39 @@ def test_deterministic_switches_torchs_flags_for_the_run_and_off_again(tmp_path)
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
 
 
+def test_automatic_gc_is_off_while_training_and_the_loop_collects(tmp_path, monkeypatch):
+    """trainer.gc_every: no automatic collection can stall a step (a full one walks every object the
+    process holds); the loop collects generation 1 at every gc_every-th step boundary instead, and
+    Python's automatic collector is back after the run. gc_every=0 leaves it on throughout."""
+    import gc
+
+    from mptrain import engine
+
+    seen: list[bool] = []  # gc.isenabled() at each step
+    events: list[tuple[int, int]] = []  # (generation, steps run so far) of each collection
+    real = engine.Engine._train_step
+
+    def step(self, micro):
+        seen.append(gc.isenabled())
+        return real(self, micro)
+
+    def record(phase, info):
+        if phase == "start":
+            events.append((info["generation"], len(seen)))
+
+    monkeypatch.setattr(engine.Engine, "_train_step", step)
+    gc.callbacks.append(record)
+    try:
+        run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=5", "trainer.gc_every=2"))
+        assert seen == [False] * 5 and gc.isenabled()
+        assert [e for e in events if 0 < e[1] < 5] == [(1, 2), (1, 4)]
+        seen.clear()
+        run_job(tmp_path / "b", *tiny("alexnet", "trainer.max_steps=2", "trainer.gc_every=0"))
+        assert seen == [True] * 2
+    finally:
+        gc.callbacks.remove(record)
+
+
 def test_checkpoint_of_another_model_is_refused(tmp_path):
     run_job(tmp_path / "a", *tiny("alexnet", "trainer.max_steps=1"))
     ckpt = checkpoint.list_checkpoints(tmp_path / "a")[-1]
