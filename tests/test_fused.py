@@ -142,7 +142,7 @@ def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
         ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
         ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
         ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1), ("padded 2x2 channels", narrow, 1),
-        ("3 channels", rgb, 1), ("8 channels at 3x3 taps", taps, 1), ("12 columns", odd[:, :12], 1),
+        ("3 channels", rgb, 1), ("8 channels at 3x3 taps", taps, 1),
     ]  # fmt: skip
 
 
@@ -185,7 +185,7 @@ def test_2d_tiles(fmt: BlockFormat) -> None:
 def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
     x = adversarial(64, 96, seed=12)
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    for t in (x, finite, finite * 1e-30, torch.zeros(8, 8)):
+    for t in (x, finite, finite * 1e-30, torch.zeros_like(x)):
         assert_same(*both(lambda t=t: fused.quantize_scaled(t, fmt)))
         a, b = stream_pair()
         got = fused.quantize_scaled(t, fmt, stochastic=True, generator=a)
