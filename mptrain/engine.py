@@ -665,7 +665,7 @@ def _gc_paused(every: int) -> Any:
     """Python's automatic garbage collection off while training (``every`` > 0); the loop collects
     generations 0 and 1 every ``every`` steps instead (torchtitan's ``GarbageCollection``). A full
     collection walks every object the process holds, torch.compile's included: half a million here,
-    a 250 ms stall on torch 2.11 about every 20 steps of ResNet-50/8 in MXFP8 on a CPU, and under DDP
+    a 250 ms stall once in 20 steps of ResNet-50/8 in MXFP8 on a CPU (torch 2.11), and under DDP
     or FSDP2 one rank's stall holds up all the others."""
     if not every:
         yield
