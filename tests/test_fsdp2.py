@@ -451,7 +451,13 @@ def glue(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     where = tmp_path_factory.mktemp("glue")
-    mp.spawn(glue_worker, args=(str(where / "init"), str(where)), nprocs=2)
+    try:
+        mp.spawn(glue_worker, args=(str(where / "init"), str(where)), nprocs=2)
+    except mp.ProcessExitedException as exc:
+        # As launch(): a rank aborted in teardown (gloo's threads at exit) after writing its results;
+        # seen once in a clean-clone CI run on torch 2.15 (2026-11-26). The results stand.
+        if exc.signal_name != "SIGABRT" or not all((where / f"rank{r}.json").exists() for r in (0, 1)):
+            raise
     return [json.loads((where / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
