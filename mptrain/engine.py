@@ -671,7 +671,7 @@ def _gc_paused(every: int) -> Any:
         yield
         return
     was = gc.isenabled()
-    gc.collect(1)  # not a full pass: that walks every object the process holds (a test suite: ~1M)
+    gc.collect(1)  # not a full pass: that walks every object the process holds (a test suite: many runs' worth)
     gc.disable()
     try:
         yield
