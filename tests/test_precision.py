@@ -33,9 +33,16 @@ def test_fp32_turns_tf32_off_and_tf32_on_through_the_documented_api():
         warnings.simplefilter("error")
         p.configure_backends()
         assert {k: b.fp32_precision for k, b in TF32_FLAGS.items()} == dict.fromkeys(TF32_FLAGS, "ieee")
+        assert torch.backends.cudnn.allow_tf32 is False  # the legacy getter answers, and agrees
         prec("tf32").configure_backends()
         assert {k: b.fp32_precision for k, b in TF32_FLAGS.items()} == dict.fromkeys(TF32_FLAGS, "tf32")
+        assert torch.backends.cudnn.allow_tf32 is True
     p.configure_backends()  # leave the process as a true FP32 baseline
+    # torch's own code that reads the legacy getter (cudnn.flags, torch.export) still works after an
+    # fp32 run: it raised in an H100 run of the CUDA tests.
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        pass
+    assert torch.backends.cudnn.conv.fp32_precision == "ieee"  # flags() restored it
 
 
 @pytest.mark.parametrize("name,dtype", [("amp_fp16", torch.float16), ("amp_bf16", torch.bfloat16)])

@@ -131,8 +131,15 @@ class Precision:
         once anything (inductor, torchao, a user) has used it, the legacy ``allow_tf32`` flags
         raise when read, and setting them leaves cuDNN's convolution flag at "none". cuDNN's own
         flag is set beside its conv and rnn ones because inductor reads it.
+
+        torch still keeps a legacy cuDNN bool beside those flags (True by default), and its getter,
+        which ``torch.backends.cudnn.flags()`` and ``torch.export`` call, raises unless that bool
+        agrees with conv and rnn. It is set first (its setter also writes conv and rnn), so that
+        turning TF32 off leaves a process where both still work: an H100 run of the CUDA tests
+        failed on it after an fp32 run in the same process.
         """
         value = "tf32" if self.allow_tf32 else "ieee"
+        torch.backends.cudnn.allow_tf32 = self.allow_tf32
         for backend in (torch.backends.cuda.matmul, torch.backends.cudnn, torch.backends.cudnn.conv,
                         torch.backends.cudnn.rnn):
             backend.fp32_precision = value
