@@ -362,3 +362,63 @@ def test_the_graph_replay_gave_nothing_up():
     assert text.count("given up: none") == 2 and "fused GEMM graph" not in text
     cells = [line.split()[0] for line in text.splitlines() if line.startswith(("amp_bf16", "mxfp8", "nvfp4"))]
     assert cells == ["amp_bf16", "mxfp8", "mxfp8_bf16", "nvfp4", "nvfp4_bf16"] * 2
+
+
+def test_the_h100_run_in_prose_is_its_data():
+    """docs/benchmarks/README.md's and README.md's figures of the H100 run, from its files."""
+    bench_dir = ROOT / "docs/benchmarks"
+
+    def cells(name: str) -> dict[str, dict]:
+        data = json.loads((bench_dir / f"h100-2026-11-26-{name}.json").read_text())
+        assert data["meta"]["device_name"] == "NVIDIA H100 80GB HBM3"
+        return {c["precision"]: c for c in data["cells"]}
+
+    fp8, fmt = cells("transformer-fp8"), cells("transformer-formats")
+    main_job = json.loads((bench_dir / "h100-2026-11-26-main-job.json").read_text())
+    h200 = h200_run("h200-2026-11-26-run2")[2]
+    x = "{:.2f}×".format
+
+    def slower(p: str) -> str:
+        return x(1 / fmt[p]["speedup_vs_bf16"])
+
+    def ms(cells: dict[str, dict], p: str) -> str:
+        return f"{1e3 * cells[p]['step_time_s']:.1f} ms"
+
+    quotes = [
+        f"| {x(fp8['fp8_torchao']['speedup_vs_bf16'])} tensorwise, {x(fp8['fp8_torchao_rowwise']['speedup_vs_bf16'])} "
+        "rowwise | tensorwise |",
+        f"| {slower('mxfp8')} and {slower('nvfp4')} (FP32 products); {slower('mxfp8_bf16')} and "
+        f"{slower('nvfp4_bf16')} (bf16 products) | no |",
+        f"bf16's step took {ms(fmt, 'amp_bf16')} here ({100 * fmt['amp_bf16']['mfu']:.1f}% MFU) against "
+        f"{ms(h200, 'amp_bf16')} in the second H200 run",
+        f"mxfp8 {ms(fmt, 'mxfp8')} here ({ms(h200, 'mxfp8').removesuffix(' ms')} there), nvfp4 {ms(fmt, 'nvfp4')} "
+        f"({ms(h200, 'nvfp4').removesuffix(' ms')})",
+        f"(mxfp8_bf16 {ms(fmt, 'mxfp8_bf16')}, nvfp4_bf16 {ms(fmt, 'nvfp4_bf16')})",
+        f"final loss {main_job['final_loss']:.2f}, peak memory {main_job['peak_memory_bytes'] / 2**20:,.0f} MiB",
+        f"{main_job['steps']} steps, {main_job['skipped_steps']} skipped at the start",
+    ]
+    assert main_job["status"] == "completed"
+    assert fp8["fp8_torchao"]["speedup_vs_bf16"] >= 1.3 > fp8["fp8_torchao_rowwise"]["speedup_vs_bf16"]  # "met"
+    # "about the same on both machines" for the emulated cells, and bf16 "nearly twice as long"
+    assert all(abs(fmt[p]["step_time_s"] / h200[p]["step_time_s"] - 1) < 0.1 for p in ("mxfp8", "nvfp4"))
+    assert 1.6 < fmt["amp_bf16"]["step_time_s"] / h200["amp_bf16"]["step_time_s"] < 2
+    # bf16 products slower than FP32 products, with every graph compiled and none given up
+    assert all(fmt[f"{p}_bf16"]["step_time_s"] > fmt[p]["step_time_s"] for p in ("mxfp8", "nvfp4"))
+    assert all(fmt[p]["fused_graphs"]["compiled"] > 0 and not fmt[p]["fused_graphs"]["given_up"]
+               for p in fmt if p != "amp_bf16")
+    text = " ".join((bench_dir / "README.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in text]
+    assert not missing, missing
+    assert not (bench_dir / "h100-2026-11-26-resnet50.json").exists()  # "not measured"
+    log = (bench_dir / "h100-2026-11-26-gpu-check-tests.log").read_text()
+    assert "2 failed, 94 passed" in log and "960 passed" in log and "8 cut by the limit" in log
+    bench_log = (bench_dir / "h100-2026-11-26-gpu-check-bench.log").read_text()
+    assert "bench_resnet50 (limit 68s)" in bench_log and "bench_resnet50  124" in bench_log
+    cuda_log = (bench_dir / "h100-2026-11-26-cuda-tests.log").read_text()
+    for case in ("mxfp8", "nvfp4"):
+        assert f"PASSED tests/test_fused.py::test_blocks_on_cuda_in_every_layout[{case}-cuda]" in cuda_log
+    assert cuda_log.count("cuDNN conv and cuDNN RNN have different TF32 flags") == 2
+    assert "PASSED tests/test_cuda.py::test_torchrun_one_process[fsdp2]" in cuda_log
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"float8 {x(fp8['fp8_torchao']['speedup_vs_bf16'])} bf16; the emulated formats {slower('mxfp8')} "
+            f"(mxfp8) and {slower('nvfp4')} (nvfp4) bf16's step time") in readme
