@@ -17,7 +17,8 @@
 # named cpu-dry-run-*). Files: $OUT (the device tool brings back at most 8, none of them may be a
 # temporary one a kill left behind) or, elsewhere, docs/benchmarks/: this log, written straight to
 # its file (no pipe whose last lines a kill could lose); for tests also the two pytest logs and the
-# main job's summary; for bench the three tables' .json and .md, copied in when each stage ends.
+# main job's summary; for bench the three tables' .json and .md and the formats cells' profiles,
+# copied in when each stage ends.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -170,9 +171,17 @@ run_bench() {
   #    refused for them; each Linear's GEMMs run as one compiled graph per direction on CUDA): "vs
   #    bf16" is their cost, with the products in FP32 (the default) and in bf16
   #    (precision.emulated_compute=bf16). The graphs compile cold in each cell's warm-up.
+  #    --profile 2: each cell's op and kernel tables, in one file (the device tool brings back 8):
+  #    two H200 runs and an H100 run found the bf16-product cells slower than the FP32 ones, and
+  #    could not say why.
   stage bench_formats 220 "${BENCH[@]}" --name "$NAME-transformer-formats" "${FORMATS[@]}" \
-      --precisions amp_bf16,mxfp8,mxfp8_bf16,nvfp4,nvfp4_bf16
+      --precisions amp_bf16,mxfp8,mxfp8_bf16,nvfp4,nvfp4_bf16 --profile 2
   keep "$NAME-transformer-formats.json" "$NAME-transformer-formats.md"
+  if compgen -G "$WORK/profiles/*.txt" >/dev/null; then
+    for f in "$WORK"/profiles/*.txt; do echo "##### $(basename "$f")"; cat "$f"; done \
+        >"$WORK/$NAME-formats-profiles.txt"
+    keep "$NAME-formats-profiles.txt"
+  fi
 
   # 4. FP8 where it pays: transformer_lm_large (4 x d_model 4096, 16k tokens a step), bf16 against
   #    torchao float8, tensorwise and rowwise, compiled (each cell compiles cold: 30-70 s). The

@@ -135,6 +135,22 @@ def test_mfu_with_a_given_peak_and_fast_paths(tmp_path):
         assert "telemetry=gradients" in tel["overrides"] and "telemetry_every_step" in by_variant
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_profile_writes_both_runners_tables(tmp_path, device):
+    """--profile: op tables and a cProfile of the engine and the bare loop per cell; on a GPU also the
+    kernels sorted by their device time and their total per step (is a step paced by its host?)."""
+    args = [a if a != "cpu" else device for a in TINY]
+    result = bench(tmp_path, "--models", "resnet50", "--precisions", "fp32", "--steps", "1", "--window", "1",
+                   "--warmup", "1", "--profile", "1", *args)
+    cell = result["cells"][0]
+    text = (tmp_path / cell["profile"]["file"]).read_text()
+    for runner in ("engine", "bare"):
+        assert f"=== {runner}: torch.profiler, 1 steps, sorted by self CPU time ===" in text
+        assert f"=== {runner}: cProfile, 1 steps" in text
+    assert ("sorted by self device time; kernels" in text) == (device == "cuda")
+
+
 def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
     result = bench(tmp_path, "--models", "resnet50,no_such_model", "--precisions", "fp32", "--steps", "1",
                    "--window", "1", "--warmup", "1", *TINY)

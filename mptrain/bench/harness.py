@@ -461,6 +461,13 @@ def profile_cell(cell: Cell, eng: EngineRunner, e_stream: Iterator[Micro], bare:
         text.write(f"=== {name}: torch.profiler, {steps} steps, sorted by self CPU time ===\n")
         text.write(table.table(sort_by="self_cpu_time_total", row_limit=40))
         text.write("\n")
+        if device.type == "cuda":
+            # The kernels' own time against the step's (the bench table): a step whose kernels take
+            # far less than it is paced by the host, and the table shows which kernels dominate.
+            busy = sum(e.self_device_time_total for e in table) / steps / 1e3
+            text.write(f"=== {name}: torch.profiler, sorted by self device time; kernels {busy:.2f} ms a step ===\n")
+            text.write(table.table(sort_by="self_device_time_total", row_limit=40))
+            text.write("\n")
         pr = cProfile.Profile()
         _sync(device)
         pr.enable()
