@@ -174,7 +174,7 @@ run_bench() {
   #    --profile 2: each cell's op and kernel tables, in one file (the device tool brings back 8):
   #    two H200 runs and an H100 run found the bf16-product cells slower than the FP32 ones, and
   #    could not say why.
-  stage bench_formats 220 "${BENCH[@]}" --name "$NAME-transformer-formats" "${FORMATS[@]}" \
+  stage bench_formats 240 "${BENCH[@]}" --name "$NAME-transformer-formats" "${FORMATS[@]}" \
       --precisions amp_bf16,mxfp8,mxfp8_bf16,nvfp4,nvfp4_bf16 --profile 2
   keep "$NAME-transformer-formats.json" "$NAME-transformer-formats.md"
   if compgen -G "$WORK/profiles/*.txt" >/dev/null; then
