@@ -341,6 +341,36 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     assert fused._given_up == set(mine)
 
 
+def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 operands a Linear's graph gives its GEMMs are laid out as the eager path lays them out.
+    Inductor once wrote wgrad's bf16 copy of x transposed (a cast is laid out row-major in its
+    logical shape; ``qgemm._cast``), against the order its kernel reads x in, and handed the GEMM
+    another layout than eager does, which a GPU's GEMM may sum in another order. MXFP8's recipe: no
+    Hadamard transform, whose products leave wgrad's operands row-major anyway."""
+    from torch._inductor.select_algorithm import extern_kernels
+
+    def recipe() -> GemmRecipe:
+        return GemmRecipe(quantizer=BlockQuantizer(BLOCK_FORMATS["mxfp8"], stochastic_grads=True, rng=RngStreams(5)),
+                          compute_dtype=torch.bfloat16)
+
+    def record(into: list[tuple], mm: Callable[..., Any]) -> Callable[..., Any]:
+        def call(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if a.dtype == torch.bfloat16:
+                into.append((tuple(a.shape), a.stride(), tuple(b.shape), b.stride()))
+            return mm(a, b, *args, **kwargs)
+        return call
+
+    graph: list[tuple] = []
+    eager: list[tuple] = []
+    with fused.graphs("cpu"):
+        linear_step(recipe)  # compiled before recording
+        monkeypatch.setattr(extern_kernels, "mm", record(graph, extern_kernels.mm))
+        linear_step(recipe)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", record(eager, torch.Tensor.__matmul__))
+    linear_step(recipe)
+    assert len(graph) == 3 and graph == eager  # fprop, dgrad, wgrad
+
+
 @pytest.mark.parametrize("device", [CUDA])
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8 bf16"])
 def test_quantized_gemms_on_cuda_match_the_reference(name: str, device: str) -> None:

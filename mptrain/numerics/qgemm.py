@@ -195,6 +195,18 @@ def _scale(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
     return y * s
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` in t's memory layout, inside a compiled graph too. Eager ``to`` keeps the
+    strides of wgrad's operands, which are transposed views (quantized along tokens, stored
+    token-major); inductor lays a cast out row-major in its logical shape, so inside a Linear's
+    graph (``_gemms``) wgrad's bf16 copy of x was written transposed, against the order its kernel
+    reads x in, and the GEMM saw another layout than in eager. Casting the transpose gives the same
+    values in eager's layout."""
+    if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1:
+        return t.mT.to(dtype).mT
+    return t.to(dtype)
+
+
 def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor,
                     rot: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """Quantize the wgrad GEMM's operands g (rows, K) and x (cols, K), both along K (tokens); with
@@ -236,7 +248,7 @@ def _linear_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: T
         dx = _scale((gl.to(cd) @ wl.to(cd)).float(), gs, ws).reshape(x.shape).to(x.dtype)
     if needs[1]:
         gl, gs, xl, xs = _wgrad_operands(recipe, g.t(), x2.float().t(), rot)  # (out, N), (in, N)
-        dw = _scale((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).to(w_dtype)
+        dw = _scale((_cast(gl, cd) @ _cast(xl, cd).t()).float(), gs, xs).to(w_dtype)
     return dx, dw
 
 
