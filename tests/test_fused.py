@@ -164,6 +164,30 @@ def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
         assert int(a.counter) == int(b.counter) == 1  # one draw each
 
 
+def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block kernel reads its operand where it is, in storage order (a contiguous (A, n, B) view,
+    no copy), for one shape in two layouts in turn (a square matrix and its transpose; NCHW and
+    channels-last): the plan of a call is worked out per layout, not per shape."""
+    fmt = BLOCK_FORMATS["mxfp8"]
+    seen: list[torch.Tensor] = []
+    real = fused._call
+
+    def record(name: str, options: str, x3: torch.Tensor, *args: object) -> object:
+        seen.append(x3)
+        return real(name, options, x3, *args)
+
+    monkeypatch.setattr(fused, "_call", record)
+    sq = adversarial(64, 64, seed=12)
+    x4 = adversarial(8, 64 * 16, seed=13).view(8, 64, 4, 4)
+    for layouts in ((sq, sq.t()), (x4, x4.contiguous(memory_format=torch.channels_last))):
+        for x in layouts * 2:
+            got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, 1))
+            assert_same(got, want)
+            x3 = seen.pop()
+            assert x3.is_contiguous() and x3.data_ptr() == x.data_ptr()
+            assert got[0].stride() == x.stride()
+
+
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
 def test_2d_tiles(fmt: BlockFormat) -> None:
     w = adversarial(48, 40, seed=10)  # 3 x 3 tiles of 16, or 2 x 2 of 32, padded

@@ -39,7 +39,7 @@ import math
 import os
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -158,6 +158,16 @@ def _kernel(name: str, variant: str) -> Callable[..., Any]:
     return k
 
 
+class _Entry(NamedTuple):
+    kernel: Callable[..., Any]
+    key: str  # the variant's name, as _given_up holds it
+
+
+# (name, options, x's shape) -> its compiled kernel: a step makes hundreds of calls on a few dozen
+# shapes, and naming the variant and marking dims dynamic on every call cost about 5 us a call.
+_entries: dict[tuple[str, str, torch.Size], _Entry] = {}
+
+
 def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     """Run kernel ``name`` on ``x`` and ``args``, in the variant of its static ``options`` and of
     x's unit dims. x is detached: gradients never flow through a quantizer (the layers' autograd
@@ -166,19 +176,27 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     x = x.detach()
     if torch.compiler.is_compiling():
         return _BODIES[name](x, *args)
-    variant = options + "_" + "".join("1" if s == 1 else "x" for s in x.shape)
-    for d, s in enumerate(x.shape):
-        if s != 1:
-            torch._dynamo.maybe_mark_dynamic(x, d)
-    key = f"{name}_{variant}"
-    if key in _given_up:
-        raise _Unfused
+    entry = _entries.get((name, options, x.shape))
+    if entry is None:
+        variant = options + "_" + "".join("1" if s == 1 else "x" for s in x.shape)
+        key = f"{name}_{variant}"
+        if key in _given_up:
+            raise _Unfused
+        # Marked on a shape's first call, the one that may compile. (After a torch._dynamo.reset(),
+        # a seen shape compiles unmarked, and dynamo's automatic dynamic shapes generalise the
+        # kernel at the next shape.)
+        for d, s in enumerate(x.shape):
+            if s != 1:
+                torch._dynamo.maybe_mark_dynamic(x, d)
+        entry = _entries[(name, options, x.shape)] = _Entry(_kernel(name, variant), key)
     try:
-        return _kernel(name, variant)(x, *args)
+        return entry.kernel(x, *args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
-        _given_up.add(key)
+        _given_up.add(entry.key)
+        for k in [k for k, e in _entries.items() if e.key == entry.key]:
+            del _entries[k]
         log.warning("fused quantizer %s recompiled too often (torch._dynamo.config.recompile_limit); it runs the "
-                    "eager reference from here on", key)
+                    "eager reference from here on", entry.key)
         raise _Unfused from None
 
 
@@ -523,14 +541,20 @@ def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], tupl
     lay = _layout(x, dim) if compiling else _cached_layout(tuple(x.shape), x.stride(), dim)
     if lay is None:
         return None
-    order, inverse, shape, three_shape, strides = lay
-    base = x.permute(order) if inverse is not None else x
+    return _to3(x, lay), functools.partial(_from3, lay=lay), lay[4]
 
-    def back(t: Tensor) -> Tensor:
-        t = t.reshape(shape)
-        return t.permute(inverse) if inverse is not None else t
 
-    return base.reshape(three_shape), back, strides
+def _to3(x: Tensor, lay: _Layout) -> Tensor:
+    """x as the (A, n, B) view of its layout ``lay``."""
+    order, inverse, _, three, _ = lay
+    return (x.permute(order) if inverse is not None else x).reshape(three)
+
+
+def _from3(t: Tensor, lay: _Layout) -> Tensor:
+    """An (A, n, B) tensor back in the logical layout of the tensor ``lay`` came from."""
+    _, inverse, shape, _, _ = lay
+    t = t.reshape(shape)
+    return t.permute(inverse) if inverse is not None else t
 
 
 _Layout = tuple[list[int], list[int] | None, tuple[int, ...], tuple[int, int, int], tuple[int, int, int] | None]
@@ -646,7 +670,11 @@ _CPU_MIN_INNER = 16
 
 
 def _narrow_inner(x3: Tensor) -> bool:
-    return x3.device.type == "cpu" and 1 < x3.shape[2] < _CPU_MIN_INNER
+    return _narrow(x3.shape[2], x3.device.type == "cpu")
+
+
+def _narrow(inner: int, cpu: bool) -> bool:
+    return cpu and 1 < inner < _CPU_MIN_INNER
 
 
 def _like(x: Tensor, q: Tensor) -> Tensor:
@@ -671,24 +699,56 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
                                counter)[:2]
         local = local.view(*lead, r + er, c + ec)
         return (local[..., :r, :c] if er or ec else local), t_scale
-    v = view3(x, dim) or view3(x.contiguous(), dim)
-    assert v is not None  # a contiguous tensor always has its (A, n, B) view
-    x3, back, _ = v
-    if _narrow_inner(x3):
+    cpu = x.device.type == "cpu"
+    if torch.compiler.is_compiling():  # sizes may be symbolic: planned every time
+        plan = _plan_blocks(x, dim, kind, stochastic, cpu)
+    else:
+        plan = _cached_plan(x.shape, x.stride(), dim, kind, stochastic, cpu)
+    if plan.narrow:
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
         local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False)
         return _like(x, local.movedim(-1, dim)), t_scale
-    n = x3.shape[1]
-    # Under one block (3 input channels, a narrow layer's 8): no padding, the kernel takes the dim as
-    # one block; else padded here, once, so that the kernels never mask.
-    short = n < bs
-    pad = n % bs and not short
-    if pad:
-        x3 = torch.nn.functional.pad(x3, (0, 0, 0, -n % bs))
+    x3 = _to3(x.contiguous() if plan.copy else x, plan.layout)
+    if plan.pad:
+        x3 = torch.nn.functional.pad(x3, (0, 0, 0, plan.pad))
     keys, counter = _stream(x, stochastic, generator)
-    local, t_scale = _call("blocks", _opts(kind, stochastic, short), x3, pf, pi, kind, short, keys, counter)[:2]
-    return back(local[:, :n] if pad else local), t_scale
+    local, t_scale = _call("blocks", plan.options, x3, pf, pi, kind, plan.short, keys, counter)[:2]
+    return _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout), t_scale
+
+
+class _BlockPlan(NamedTuple):
+    """How ``_blocks`` runs on one operand layout."""
+
+    layout: _Layout  # of x, or of its contiguous copy
+    copy: bool  # x has no (A, n, B) view: a contiguous copy first
+    narrow: bool  # blocks along the last dim of a copy instead (_CPU_MIN_INNER)
+    short: bool  # n under one block: one block, unpadded
+    pad: int  # zeros appended to n, up to a multiple of the block
+    options: str  # the kernel's static options
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_plan(shape: torch.Size, stride: tuple[int, ...], dim: int, kind: str, stochastic: bool,
+                 cpu: bool) -> _BlockPlan:
+    """_plan_blocks, worked out once per operand layout: a step makes hundreds of calls on a few dozen
+    layouts, and planning each call took about as long as the call into the kernel."""
+    return _plan_blocks(torch.empty_strided(shape, stride, device="meta"), dim, kind, stochastic, cpu)
+
+
+def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool) -> _BlockPlan:
+    layout = _layout(x, dim)
+    copy = layout is None
+    if layout is None:
+        layout = _layout(x.contiguous(), dim)
+        assert layout is not None  # a contiguous tensor always has its (A, n, B) view
+    _, n, b = layout[3]
+    bs = 16 if kind == "nvfp4" else 32
+    # Under one block (3 input channels, a narrow layer's 8): no padding, the kernel takes the dim as
+    # one block; else padded, once, so that the kernels never mask.
+    short = n < bs
+    pad = 0 if short else -n % bs
+    return _BlockPlan(layout, copy, _narrow(b, cpu), short, pad, _opts(kind, stochastic, short))
 
 
 def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool = False,
