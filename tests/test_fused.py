@@ -566,6 +566,31 @@ def perf_gap_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-resnet50-8-per
             f"compiled quantizer kernels.")
 
 
+def call_budget_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-call-budget.json") -> str:
+    """The benchmark notes' sentence on what 2x FP32 leaves ResNet-50/8's quantizer calls, from its data."""
+    d = json.loads((Path(__file__).resolve().parents[1] / path).read_text())
+    ms, floor, calls = d["step_ms_cpu"], d["floor"], d["quantizer_calls"]
+    alone = ms[f"{d['mode']}, quantizers off"]
+    # the data's own arithmetic, checked: budget = target x FP32 - the layers alone
+    assert abs(d["budget_ms"] - (d["target_vs_fp32"] * ms["fp32"] - alone)) < 0.01
+    assert abs(d["quantizers_in_step_ms"] - (ms[d["mode"]] - alone)) < 0.01
+    assert floor["fused_call_us"] < d["budget_per_call_us"]  # what the sentence says of them
+    return (f"the converted layers alone, with no call into a quantizer, cost {alone / ms['fp32']:.2f}× FP32, so at "
+            f"{d['target_vs_fp32']:.0f}× the step's {calls} quantizer calls may take {d['budget_ms']:.1f} ms, "
+            f"{1e3 * d['budget_ms'] / calls:.0f} µs a call; in the step they take {d['quantizers_in_step_ms']:.1f} ms, "
+            f"{1e3 * d['quantizers_in_step_ms'] / calls:.0f} µs a call. One block of 32 through the same path, "
+            f"repeated in a loop, costs {floor['fused_call_us']:.1f} µs a call, {floor['compiled_fn_us']:.1f} µs of it "
+            f"in the compiled function (torch.compile's entry and the kernel). The floor of a call is under the "
+            f"budget, so one call per operand does not rule the target out; meeting it needs the calls' time in the "
+            f"step cut "
+            f"{d['quantizers_in_step_ms'] / d['budget_ms']:.1f}×")
+
+
+def test_the_call_budget_in_prose_is_its_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    assert call_budget_sentence() in text
+
+
 def test_the_perf_profile_in_prose_is_its_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     assert perf_gap_sentence() in text
