@@ -506,7 +506,11 @@ FORMAT_TARGETS = {
 }  # fmt: skip
 
 
-def formats_benchmark_rows(path: str = "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json") -> list[str]:
+# The formats benchmark the notes quote (docs/benchmarks/README.md, README.md).
+FORMATS_BENCH = "docs/benchmarks/cpu-2026-11-26-fused-formats-3.json"
+
+
+def formats_benchmark_rows(path: str = FORMATS_BENCH) -> list[str]:
     """docs/benchmarks/README.md's table of issue 24's CPU targets, from the benchmark's own file."""
     data = json.loads((Path(__file__).resolve().parents[1] / path).read_text())
     rows = {(r["model"], r["mode"]): r for r in data["rows"]}
@@ -530,10 +534,16 @@ def test_the_formats_benchmark_in_prose_is_its_data() -> None:
     text = (root / "docs/benchmarks/README.md").read_text()
     missing = [row for row in formats_benchmark_rows() if row not in text]
     assert not missing, missing
-    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json").read_text())
+    data = json.loads((root / FORMATS_BENCH).read_text())
     calls = [r["gap"]["quantizer_calls"] for r in data["rows"] if r["model"] == "resnet50/8"]
     calls = [c for c in calls if c]  # fp32 makes none, the eager references are not split
     assert f"make {min(calls)} to {max(calls)} quantizer calls per step" in " ".join(text.split())
+    # the machine's state between the second run and this one, from both files
+    before = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json").read_text())
+    fp32 = [{r["model"]: r["step_ms_cpu"] for r in d["rows"] if r["mode"] == "fp32"} for d in (data, before)]
+    assert (f"FP32 at batch 128: {fp32[0]['mlp 4x1024 b128']:.1f} against {fp32[1]['mlp 4x1024 b128']:.1f} ms a step; "
+            f"ResNet-50/8's FP32 step {fp32[0]['resnet50/8']:.1f} against {fp32[1]['resnet50/8']:.1f} ms") in " ".join(
+                text.split())
 
 
 
@@ -598,7 +608,7 @@ def test_the_perf_profile_in_prose_is_its_data() -> None:
 
 def test_readme_quotes_the_formats_benchmark() -> None:
     root = Path(__file__).resolve().parents[1]
-    data = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-2.json").read_text())
+    data = json.loads((root / FORMATS_BENCH).read_text())
     ratio = {(r["model"], r["mode"]): r["vs_fp32_cpu"] for r in data["rows"]}
     mlp, big = "mlp 4x1024 b128", "mlp 4x1024 b1024"
     blocks = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
