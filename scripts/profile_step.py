@@ -19,6 +19,8 @@ import time
 import bench_formats as bf  # the script beside this one (its directory leads sys.path)
 import torch
 
+from mptrain.numerics import rounding_rng
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    rounding_rng.seed_rounding(0)  # stochastic rounding draws from the run's stream, as in bench_formats
     _, batch, shape, classes = bf.MODELS[args.model]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g)

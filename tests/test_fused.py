@@ -229,11 +229,16 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
 # master weights
 
 
-def test_fp16_master_rounding_of_a_parameter_list() -> None:
+@pytest.mark.parametrize("group", [2**24, 2000], ids=["one group", "groups"])
+def test_fp16_master_rounding_of_a_parameter_list(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All parameters in one kernel (or a few, each up to ``fused._GROUP`` elements), rounded and drawn
+    as the reference rounds each in turn: one draw per tensor, the empty one included."""
+    monkeypatch.setattr(fused, "_GROUP", group)
     g = torch.Generator().manual_seed(13)
     params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 5, (), generator=g).item()
-              for s in ((64, 32), (32,), (3, 5, 7))]  # fmt: skip
+              for s in ((64, 32), (32,), (0,), (3, 5, 7), (40, 60), (9,))]  # fmt: skip
     params[0][0, :4] = torch.tensor([math.nan, math.inf, 1e6, 2.0**-30])
+    assert (len(list(fused._groups([p.numel() for p in params], group))) > 1) == (group < 4000)
     for stochastic in (False, True):
         a, b = stream_pair()
         got = [p.clone() for p in params]
@@ -243,6 +248,7 @@ def test_fp16_master_rounding_of_a_parameter_list() -> None:
             fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
         for x, y in zip(got, want, strict=True):
             assert_same(x, y)
+        assert int(a.counter) == int(b.counter) == (len(params) if stochastic else 0)
 
 
 def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:

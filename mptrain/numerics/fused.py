@@ -298,16 +298,16 @@ def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
     return found
 
 
-def _stream(x: Tensor, stochastic: bool, generator: Any) -> tuple[Tensor | None, Tensor | None]:
-    """(keys, this draw's counter) for a kernel; ``_Unfused`` for a torch.Generator (its uniforms
-    cannot be drawn inside a compiled kernel: the reference draws them)."""
+def _stream(x: Tensor, stochastic: bool, generator: Any, draws: int = 1) -> tuple[Tensor | None, Tensor | None]:
+    """(keys, the first of this call's ``draws`` counters) for a kernel; ``_Unfused`` for a
+    torch.Generator (its uniforms cannot be drawn inside a compiled kernel: the reference draws them)."""
     if not stochastic:
         return None, None
     if generator is None:
         generator = global_stream(x.device)
     if not isinstance(generator, RoundingStream):
         raise _Unfused
-    return generator.keys, generator.take()
+    return generator.keys, generator.take(draws)
 
 
 def _fits(fmt: ElementFormat) -> bool:
@@ -376,6 +376,19 @@ def _k_round_(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: T
     """In place, saturating: a parameter onto FP16 (FP8's FP16 master weights)."""
     u = _uniform(x.shape[0], x.device, keys, counter) if keys is not None else None
     x.copy_(_round(x.float(), pf, pi, u).to(x.dtype))
+
+
+def _k_round_all(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Tensor, pi: Tensor,
+                 keys: Tensor | None, first: Tensor | None) -> Tensor:
+    """``_k_round_`` on the concatenation of several flat tensors, out of place: element k belongs
+    to tensor ``which[k]``, which starts at ``starts[which[k]]`` and draws with counter
+    ``first + which[k]``, as each tensor does in its own call."""
+    u = None
+    if keys is not None:
+        ka, kb = draw_keys(keys, first + which)  # type: ignore[operator]
+        index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device) - starts[which]  # type: ignore[index]
+        u = uniform_from_index(index, ka, kb)
+    return _round(x.float(), pf, pi, u).to(x.dtype)
 
 
 def _k_bf16_(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
@@ -509,8 +522,8 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
 
 
 _BODIES: dict[str, Callable[..., Any]] = {
-    "round": _k_round, "round_": _k_round_, "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis,
-    "blocks": _k_blocks, "tiles": _k_tiles,
+    "round": _k_round, "round_": _k_round_, "round_all": _k_round_all, "bf16_": _k_bf16_, "scaled": _k_scaled,
+    "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
 }  # fmt: skip
 
 
@@ -754,7 +767,20 @@ def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool) ->
 def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool = False,
                   generator: RoundingStream | None = None) -> None:
     """Round every tensor in place onto ``fmt``, one draw per tensor in order (FP8's FP16 masters).
-    The reference: ``p.copy_(quantize(p, fmt))`` or ``stochastic_round`` for each p."""
+    The reference: ``p.copy_(quantize(p, fmt))`` or ``stochastic_round`` for each p.
+
+    Fused, one kernel rounds all of them, concatenated, in groups of up to 2**24 elements: one call
+    per parameter cost ~60 us each, 10 ms of a ResNet-50/8 step (161 parameters, 0.4M elements).
+    Stochastic rounding outside a run (no stream given) keeps one call per tensor: each draws its own
+    key from the global RNG, as the reference does."""
+    same = bool(params) and all(p.is_contiguous() and p.dtype == params[0].dtype and p.device == params[0].device
+                                for p in params)  # fmt: skip
+    if same and enabled(params[0]) and _fits(fmt) and (generator is not None or not stochastic):
+        with contextlib.suppress(_Unfused):
+            keys, first = _stream(params[0], stochastic, generator, len(params))
+            for lo, hi in _groups([p.numel() for p in params], _GROUP):
+                _round_group(params[lo:hi], fmt, keys, None if first is None else first + lo)
+            return
     for p in params:
         if enabled(p) and _fits(fmt) and p.is_contiguous() and p.numel():
             with contextlib.suppress(_Unfused):
@@ -763,6 +789,46 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
                 continue
         gen = generator if generator is not None or not stochastic else global_stream(p.device)
         p.copy_(nf.round_to_element(p, fmt, stochastic=stochastic, generator=gen))
+
+
+_GROUP = 2**24  # elements rounded by one call of round_params_'s kernel, at most (but one larger tensor)
+
+
+def _groups(sizes: list[int], limit: int) -> Iterator[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of ``sizes`` summing to at most ``limit`` (one larger size alone)."""
+    lo, total = 0, 0
+    for i, n in enumerate(sizes):
+        if i > lo and total + n > limit:
+            yield lo, i
+            lo, total = i, 0
+        total += n
+    if lo < len(sizes):
+        yield lo, len(sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_index(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
+    """A group's element counts and start offsets on ``device``, made once: a copy from the host
+    every step would wait for the GPU."""
+    counts = torch.tensor(sizes, dtype=torch.int64, device=device)
+    return counts, (torch.cumsum(counts, 0) - counts).to(torch.int32)
+
+
+def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, first: Tensor | None) -> None:
+    sizes = [p.numel() for p in params]
+    flat = torch.cat([p.view(-1) for p in params])
+    if not flat.numel():
+        return
+    which = starts = None
+    if keys is not None:
+        counts, starts = _group_index(tuple(sizes), flat.device)
+        # output_size: no read-back of the counts' sum (a host sync on a GPU)
+        which = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32, device=flat.device), counts,
+                                        output_size=flat.numel())
+        torch._dynamo.maybe_mark_dynamic(which, 0)  # one kernel for every group and model, as _call's x
+        torch._dynamo.maybe_mark_dynamic(starts, 0)
+    out = _call("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys, first)
+    torch._foreach_copy_(params, [t.view(p.shape) for t, p in zip(out.split(sizes), params, strict=True)])
 
 
 def write_back_(dst: list[Tensor], src: list[Tensor], generator: RoundingStream | None) -> None:
