@@ -251,6 +251,29 @@ def test_fp16_master_rounding_of_a_parameter_list(group: int, monkeypatch: pytes
         assert int(a.counter) == int(b.counter) == (len(params) if stochastic else 0)
 
 
+def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past dynamo's recompile limit the parameters' kernel runs eagerly: same values, same draws."""
+    real = fused._call
+
+    def refuse(name: str, *args: object) -> object:
+        if name == "round_all":
+            raise fused._Unfused
+        return real(name, *args)
+
+    monkeypatch.setattr(fused, "_call", refuse)
+    g = torch.Generator().manual_seed(15)
+    params = [torch.randn(s, generator=g) for s in ((16, 8), (0,), (5,))]
+    a, b = stream_pair()
+    got = [p.clone() for p in params]
+    fused.round_params_(got, nf.FP16, stochastic=True, generator=a)
+    want = [p.clone() for p in params]
+    with fused.reference():
+        fused.round_params_(want, nf.FP16, stochastic=True, generator=b)
+    for x, y in zip(got, want, strict=True):
+        assert_same(x, y)
+    assert int(a.counter) == int(b.counter) == len(params)
+
+
 def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:
     g = torch.Generator().manual_seed(14)
     masters = [torch.randn(64, 33, generator=g), torch.randn(17, generator=g) * 1e-6, torch.randn(5, 5, generator=g)]

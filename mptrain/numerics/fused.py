@@ -771,16 +771,16 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
 
     Fused, one kernel rounds all of them, concatenated, in groups of up to 2**24 elements: one call
     per parameter cost ~60 us each, 10 ms of a ResNet-50/8 step (161 parameters, 0.4M elements).
-    Stochastic rounding outside a run (no stream given) keeps one call per tensor: each draws its own
-    key from the global RNG, as the reference does."""
+    Stochastic rounding outside a run (no stream given), or from a torch.Generator, keeps one call
+    per tensor: each draws its own key from the global RNG, as the reference does, or runs the
+    reference."""
     same = bool(params) and all(p.is_contiguous() and p.dtype == params[0].dtype and p.device == params[0].device
                                 for p in params)  # fmt: skip
-    if same and enabled(params[0]) and _fits(fmt) and (generator is not None or not stochastic):
-        with contextlib.suppress(_Unfused):
-            keys, first = _stream(params[0], stochastic, generator, len(params))
-            for lo, hi in _groups([p.numel() for p in params], _GROUP):
-                _round_group(params[lo:hi], fmt, keys, None if first is None else first + lo)
-            return
+    if same and enabled(params[0]) and _fits(fmt) and (not stochastic or isinstance(generator, RoundingStream)):
+        keys, first = _stream(params[0], stochastic, generator, len(params))
+        for lo, hi in _groups([p.numel() for p in params], _GROUP):
+            _round_group(params[lo:hi], fmt, keys, None if first is None else first + lo)
+        return
     for p in params:
         if enabled(p) and _fits(fmt) and p.is_contiguous() and p.numel():
             with contextlib.suppress(_Unfused):
@@ -827,7 +827,11 @@ def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, 
                                         output_size=flat.numel())
         torch._dynamo.maybe_mark_dynamic(which, 0)  # one kernel for every group and model, as _call's x
         torch._dynamo.maybe_mark_dynamic(starts, 0)
-    out = _call("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys, first)
+    args = (flat, which, starts, *_elem(fmt, flat.device), keys, first)
+    try:
+        out = _call("round_all", _opts(keys is not None), *args)
+    except _Unfused:  # past dynamo's recompile limit: the same arithmetic, eagerly
+        out = _k_round_all(*args)
     torch._foreach_copy_(params, [t.view(p.shape) for t, p in zip(out.split(sizes), params, strict=True)])
 
 
