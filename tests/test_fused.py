@@ -274,11 +274,18 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
     assert int(a.counter) == int(b.counter) == len(params)
 
 
-def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:
+@pytest.mark.parametrize("group", [2**24, 1000], ids=["one group a dtype", "groups"])
+def test_stochastic_write_back_into_fp16_and_bf16_parameters(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of parameters of one dtype in one kernel call each (or a few, up to ``fused._GROUP``
+    elements), drawn as the reference draws tensor by tensor."""
+    monkeypatch.setattr(fused, "_GROUP", group)
     g = torch.Generator().manual_seed(14)
-    masters = [torch.randn(64, 33, generator=g), torch.randn(17, generator=g) * 1e-6, torch.randn(5, 5, generator=g)]
+    masters = [torch.randn(64, 33, generator=g), torch.randn(17, generator=g) * 1e-6, torch.randn(5, 5, generator=g),
+               torch.randn(0, generator=g), torch.randn(40, 30, generator=g), torch.randn(7, generator=g)]
     masters[0][0, :3] = torch.tensor([math.nan, -math.inf, 3e38])
-    dtypes = [torch.bfloat16, torch.float16, torch.bfloat16]
+    dtypes = [torch.bfloat16, torch.float16, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    runs = len(list(fused._groups([m.numel() for m in masters], group, dtypes)))
+    assert runs == (3 if group > 4000 else 5)
     a, b = stream_pair()
     got = [torch.empty(m.shape, dtype=d) for m, d in zip(masters, dtypes, strict=True)]
     fused.write_back_(got, masters, a)
@@ -287,6 +294,7 @@ def test_stochastic_write_back_into_fp16_and_bf16_parameters() -> None:
         fused.write_back_(want, masters, b)
     for x, y in zip(got, want, strict=True):
         assert_same(x.float(), y.float())
+    assert int(a.counter) == int(b.counter) == len(masters)
 
 
 # --------------------------------------------------------------------------------------------

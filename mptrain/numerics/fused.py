@@ -391,6 +391,18 @@ def _k_round_all(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Ten
     return _round(x.float(), pf, pi, u).to(x.dtype)
 
 
+def _k_write_all(m: Tensor, which: Tensor, starts: Tensor, pf: Tensor, pi: Tensor, keys: Tensor, first: Tensor,
+                 bf16: bool) -> Tensor:
+    """``_k_bf16_``, or ``_k_round`` onto FP16 (stochastic, saturating), on the concatenation of
+    several flat FP32 masters (``_k_round_all``'s layout): their bf16 / FP16 values."""
+    ka, kb = draw_keys(keys, first + which)
+    index = torch.arange(m.shape[0], dtype=torch.int32, device=m.device) - starts[which]
+    if bf16:
+        rounded = ((m.view(torch.int32) + bits16_from_index(index, ka, kb)) & -65536).view(torch.float32)
+        return torch.where(torch.isfinite(m), rounded, m).to(torch.bfloat16)
+    return _round(m, pf, pi, uniform_from_index(index, ka, kb)).to(torch.float16)
+
+
 def _k_bf16_(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
     """``stochastic_round_to_bf16`` of flat FP32 ``m`` into bf16 ``p``: 16 random bits added below
     bf16's mantissa, then truncated."""
@@ -522,8 +534,8 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
 
 
 _BODIES: dict[str, Callable[..., Any]] = {
-    "round": _k_round, "round_": _k_round_, "round_all": _k_round_all, "bf16_": _k_bf16_, "scaled": _k_scaled,
-    "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
+    "round": _k_round, "round_": _k_round_, "round_all": _k_round_all, "write_all": _k_write_all,
+    "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
 }  # fmt: skip
 
 
@@ -794,11 +806,12 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
 _GROUP = 2**24  # elements rounded by one call of round_params_'s kernel, at most (but one larger tensor)
 
 
-def _groups(sizes: list[int], limit: int) -> Iterator[tuple[int, int]]:
-    """Consecutive [lo, hi) ranges of ``sizes`` summing to at most ``limit`` (one larger size alone)."""
+def _groups(sizes: list[int], limit: int, kinds: list[Any] | None = None) -> Iterator[tuple[int, int]]:
+    """Consecutive [lo, hi) ranges of ``sizes`` summing to at most ``limit`` (one larger size alone),
+    and of one kind each (``kinds``: one per size)."""
     lo, total = 0, 0
     for i, n in enumerate(sizes):
-        if i > lo and total + n > limit:
+        if i > lo and (total + n > limit or (kinds is not None and kinds[i] != kinds[lo])):
             yield lo, i
             lo, total = i, 0
         total += n
@@ -814,30 +827,64 @@ def _group_index(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
     return counts, (torch.cumsum(counts, 0) - counts).to(torch.int32)
 
 
+def _concat(tensors: list[Tensor], draws: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The tensors' concatenation, and for stochastic rounding which tensor each element belongs to
+    and where each tensor starts (``_k_round_all``)."""
+    flat = torch.cat([t.view(-1) for t in tensors])
+    if not draws or not flat.numel():
+        return flat, None, None
+    counts, starts = _group_index(tuple(t.numel() for t in tensors), flat.device)
+    # output_size: no read-back of the counts' sum (a host sync on a GPU)
+    which = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=flat.device), counts,
+                                    output_size=flat.numel())
+    torch._dynamo.maybe_mark_dynamic(which, 0)  # one kernel for every group and model, as _call's x
+    torch._dynamo.maybe_mark_dynamic(starts, 0)
+    return flat, which, starts
+
+
+def _scatter(dst: list[Tensor], flat: Tensor) -> None:
+    """Copy the concatenation ``flat`` back into the tensors it came from (or their like)."""
+    torch._foreach_copy_(dst, [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in dst]), dst, strict=True)])
+
+
 def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, first: Tensor | None) -> None:
-    sizes = [p.numel() for p in params]
-    flat = torch.cat([p.view(-1) for p in params])
+    flat, which, starts = _concat(params, keys is not None)
     if not flat.numel():
         return
-    which = starts = None
-    if keys is not None:
-        counts, starts = _group_index(tuple(sizes), flat.device)
-        # output_size: no read-back of the counts' sum (a host sync on a GPU)
-        which = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32, device=flat.device), counts,
-                                        output_size=flat.numel())
-        torch._dynamo.maybe_mark_dynamic(which, 0)  # one kernel for every group and model, as _call's x
-        torch._dynamo.maybe_mark_dynamic(starts, 0)
     args = (flat, which, starts, *_elem(fmt, flat.device), keys, first)
     try:
         out = _call("round_all", _opts(keys is not None), *args)
     except _Unfused:  # past dynamo's recompile limit: the same arithmetic, eagerly
         out = _k_round_all(*args)
-    torch._foreach_copy_(params, [t.view(p.shape) for t, p in zip(out.split(sizes), params, strict=True)])
+    _scatter(params, out)
+
+
+def _write_group(dst: list[Tensor], src: list[Tensor], keys: Tensor, first: Tensor) -> None:
+    flat, which, starts = _concat(src, True)
+    if not flat.numel():
+        return
+    bf16 = dst[0].dtype == torch.bfloat16
+    args = (flat, which, starts, *_elem(nf.FP16, flat.device), keys, first, bf16)
+    try:
+        out = _call("write_all", _opts(bf16), *args)
+    except _Unfused:
+        out = _k_write_all(*args)  # type: ignore[arg-type]
+    _scatter(dst, out)
 
 
 def write_back_(dst: list[Tensor], src: list[Tensor], generator: RoundingStream | None) -> None:
     """Stochastically round FP32 masters ``src`` into FP16/bf16 parameters ``dst``, one draw per
-    tensor in order (``MasterWeights.after_step``'s reference loop)."""
+    tensor in order (``MasterWeights.after_step``'s reference loop). Fused, one kernel call rounds a
+    run of parameters of one dtype, as ``round_params_`` does; outside a run (no stream) or with a
+    torch.Generator, one call per tensor."""
+    same = bool(src) and all(p.is_contiguous() and m.is_contiguous() and m.dtype == torch.float32
+                             and p.dtype in (torch.bfloat16, torch.float16) and m.device == p.device == src[0].device
+                             for p, m in zip(dst, src, strict=True))  # fmt: skip
+    if same and enabled(src[0]) and isinstance(generator, RoundingStream):
+        keys, first = _stream(src[0], True, generator, len(src))
+        for lo, hi in _groups([m.numel() for m in src], _GROUP, [p.dtype for p in dst]):
+            _write_group(dst[lo:hi], src[lo:hi], keys, first + lo)  # type: ignore[arg-type, operator]
+        return
     for p, m in zip(dst, src, strict=True):
         if enabled(m) and p.is_contiguous() and m.is_contiguous() and m.numel():
             with contextlib.suppress(_Unfused):
