@@ -229,26 +229,33 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
 # master weights
 
 
-@pytest.mark.parametrize("group", [2**24, 2000], ids=["one group", "groups"])
-def test_fp16_master_rounding_of_a_parameter_list(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """All parameters in one kernel (or a few, each up to ``fused._GROUP`` elements), rounded and drawn
-    as the reference rounds each in turn: one draw per tensor, the empty one included."""
+def assert_rounded_as_the_reference(params: list[torch.Tensor], stochastic: bool) -> None:
+    """round_params_ onto FP16, fused and reference, from streams alike: same values, same draws."""
+    a, b = stream_pair()
+    got = [p.clone() for p in params]
+    fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a)
+    want = [p.clone() for p in params]
+    with fused.reference():
+        fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
+    for x, y in zip(got, want, strict=True):
+        assert_same(x, y)
+    assert int(a.counter) == int(b.counter) == (len(params) if stochastic else 0)
+
+
+@pytest.mark.parametrize("group,alone", [(2**24, 2**15), (2000, 1000)], ids=["one group", "groups, some alone"])
+def test_fp16_master_rounding_of_a_parameter_list(group: int, alone: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small parameters in one kernel (or a few, each up to ``fused._GROUP`` elements), large ones
+    (``fused._ALONE``) each in a call of its own, rounded and drawn as the reference rounds each in
+    turn: one draw per tensor, the empty one included."""
     monkeypatch.setattr(fused, "_GROUP", group)
+    monkeypatch.setattr(fused, "_ALONE", alone)
     g = torch.Generator().manual_seed(13)
     params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 5, (), generator=g).item()
               for s in ((64, 32), (32,), (0,), (3, 5, 7), (40, 60), (9,))]  # fmt: skip
     params[0][0, :4] = torch.tensor([math.nan, math.inf, 1e6, 2.0**-30])
     assert (len(list(fused._groups([p.numel() for p in params], group))) > 1) == (group < 4000)
     for stochastic in (False, True):
-        a, b = stream_pair()
-        got = [p.clone() for p in params]
-        fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a)
-        want = [p.clone() for p in params]
-        with fused.reference():
-            fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
-        for x, y in zip(got, want, strict=True):
-            assert_same(x, y)
-        assert int(a.counter) == int(b.counter) == (len(params) if stochastic else 0)
+        assert_rounded_as_the_reference(params, stochastic)
 
 
 def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,23 +269,17 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
 
     monkeypatch.setattr(fused, "_call", refuse)
     g = torch.Generator().manual_seed(15)
-    params = [torch.randn(s, generator=g) for s in ((16, 8), (0,), (5,))]
-    a, b = stream_pair()
-    got = [p.clone() for p in params]
-    fused.round_params_(got, nf.FP16, stochastic=True, generator=a)
-    want = [p.clone() for p in params]
-    with fused.reference():
-        fused.round_params_(want, nf.FP16, stochastic=True, generator=b)
-    for x, y in zip(got, want, strict=True):
-        assert_same(x, y)
-    assert int(a.counter) == int(b.counter) == len(params)
+    assert_rounded_as_the_reference([torch.randn(s, generator=g) for s in ((16, 8), (0,), (5,))], True)
 
 
-@pytest.mark.parametrize("group", [2**24, 1000], ids=["one group a dtype", "groups"])
-def test_stochastic_write_back_into_fp16_and_bf16_parameters(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs of parameters of one dtype in one kernel call each (or a few, up to ``fused._GROUP``
-    elements), drawn as the reference draws tensor by tensor."""
+@pytest.mark.parametrize("group,alone", [(2**24, 2**15), (1000, 1000)], ids=["one group a dtype", "groups, some alone"])
+def test_stochastic_write_back_into_fp16_and_bf16_parameters(group: int, alone: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs of small parameters of one dtype in one kernel call each (or a few, up to
+    ``fused._GROUP`` elements), large ones (``fused._ALONE``) in a call each, drawn as the reference
+    draws tensor by tensor."""
     monkeypatch.setattr(fused, "_GROUP", group)
+    monkeypatch.setattr(fused, "_ALONE", alone)
     g = torch.Generator().manual_seed(14)
     masters = [torch.randn(64, 33, generator=g), torch.randn(17, generator=g) * 1e-6, torch.randn(5, 5, generator=g),
                torch.randn(0, generator=g), torch.randn(40, 30, generator=g), torch.randn(7, generator=g)]

@@ -781,17 +781,24 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
     """Round every tensor in place onto ``fmt``, one draw per tensor in order (FP8's FP16 masters).
     The reference: ``p.copy_(quantize(p, fmt))`` or ``stochastic_round`` for each p.
 
-    Fused, one kernel rounds all of them, concatenated, in groups of up to 2**24 elements: one call
-    per parameter cost ~60 us each, 10 ms of a ResNet-50/8 step (161 parameters, 0.4M elements).
-    Stochastic rounding outside a run (no stream given), or from a torch.Generator, keeps one call
-    per tensor: each draws its own key from the global RNG, as the reference does, or runs the
-    reference."""
+    Fused, one kernel rounds the small ones, concatenated (in groups of up to 2**24 elements): one
+    call per parameter cost ~60 us each, 10 ms of a ResNet-50/8 step (161 parameters, 0.4M elements).
+    A tensor of ``_ALONE`` elements or more rounds in place in a call of its own, which costs less
+    than copying it in and out (an MLP's 1024x1024 weights). Stochastic rounding outside a run (no
+    stream given), or from a torch.Generator, keeps one call per tensor: each draws its own key from
+    the global RNG, as the reference does, or runs the reference."""
     same = bool(params) and all(p.is_contiguous() and p.dtype == params[0].dtype and p.device == params[0].device
                                 for p in params)  # fmt: skip
     if same and enabled(params[0]) and _fits(fmt) and (not stochastic or isinstance(generator, RoundingStream)):
         keys, first = _stream(params[0], stochastic, generator, len(params))
-        for lo, hi in _groups([p.numel() for p in params], _GROUP):
-            _round_group(params[lo:hi], fmt, keys, None if first is None else first + lo)
+        small = [p.numel() < _ALONE for p in params]
+        for lo, hi in _groups([p.numel() for p in params], _GROUP, small):
+            if small[lo]:
+                _round_group(params[lo:hi], fmt, keys, _nth(first, lo))
+                continue
+            for i in range(lo, hi):
+                _run("round_", _opts(stochastic), params[i].view(-1), *_elem(fmt, params[i].device), keys,
+                     _nth(first, i))
         return
     for p in params:
         if enabled(p) and _fits(fmt) and p.is_contiguous() and p.numel():
@@ -804,6 +811,20 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
 
 
 _GROUP = 2**24  # elements rounded by one call of round_params_'s kernel, at most (but one larger tensor)
+_ALONE = 2**15  # elements from which a tensor has a call of its own
+
+
+def _nth(first: Tensor | None, i: int) -> Tensor | None:
+    """Counter ``i`` of a call's draws (None: no draws)."""
+    return None if first is None else first + i
+
+
+def _run(name: str, options: str, x: Tensor, *args: Any) -> Any:
+    """``_call``; past dynamo's recompile limit, the same kernel body eagerly (same values, same draws)."""
+    try:
+        return _call(name, options, x, *args)
+    except _Unfused:
+        return _BODIES[name](x.detach(), *args)
 
 
 def _groups(sizes: list[int], limit: int, kinds: list[Any] | None = None) -> Iterator[tuple[int, int]]:
@@ -851,12 +872,8 @@ def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, 
     flat, which, starts = _concat(params, keys is not None)
     if not flat.numel():
         return
-    args = (flat, which, starts, *_elem(fmt, flat.device), keys, first)
-    try:
-        out = _call("round_all", _opts(keys is not None), *args)
-    except _Unfused:  # past dynamo's recompile limit: the same arithmetic, eagerly
-        out = _k_round_all(*args)
-    _scatter(params, out)
+    _scatter(params, _run("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys,
+                          first))
 
 
 def _write_group(dst: list[Tensor], src: list[Tensor], keys: Tensor, first: Tensor) -> None:
@@ -864,36 +881,40 @@ def _write_group(dst: list[Tensor], src: list[Tensor], keys: Tensor, first: Tens
     if not flat.numel():
         return
     bf16 = dst[0].dtype == torch.bfloat16
-    args = (flat, which, starts, *_elem(nf.FP16, flat.device), keys, first, bf16)
-    try:
-        out = _call("write_all", _opts(bf16), *args)
-    except _Unfused:
-        out = _k_write_all(*args)  # type: ignore[arg-type]
-    _scatter(dst, out)
+    _scatter(dst, _run("write_all", _opts(bf16), flat, which, starts, *_elem(nf.FP16, flat.device), keys, first, bf16))
+
+
+def _write_one(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
+    """One master into its bf16 / FP16 parameter, stochastically, in a call of its own."""
+    if p.dtype == torch.bfloat16:
+        _run("bf16_", "", p.view(-1), m.view(-1), keys, counter)
+    else:
+        p.view(-1).copy_(_run("round", _opts(True, True), m.view(-1), *_elem(nf.FP16, m.device), True, keys, counter))
 
 
 def write_back_(dst: list[Tensor], src: list[Tensor], generator: RoundingStream | None) -> None:
     """Stochastically round FP32 masters ``src`` into FP16/bf16 parameters ``dst``, one draw per
     tensor in order (``MasterWeights.after_step``'s reference loop). Fused, one kernel call rounds a
-    run of parameters of one dtype, as ``round_params_`` does; outside a run (no stream) or with a
-    torch.Generator, one call per tensor."""
+    run of small parameters of one dtype, and a large one has a call of its own, as in
+    ``round_params_``; outside a run (no stream) or with a torch.Generator, one call per tensor."""
     same = bool(src) and all(p.is_contiguous() and m.is_contiguous() and m.dtype == torch.float32
                              and p.dtype in (torch.bfloat16, torch.float16) and m.device == p.device == src[0].device
                              for p, m in zip(dst, src, strict=True))  # fmt: skip
     if same and enabled(src[0]) and isinstance(generator, RoundingStream):
         keys, first = _stream(src[0], True, generator, len(src))
-        for lo, hi in _groups([m.numel() for m in src], _GROUP, [p.dtype for p in dst]):
-            _write_group(dst[lo:hi], src[lo:hi], keys, first + lo)  # type: ignore[arg-type, operator]
+        kinds = [(p.dtype, m.numel() < _ALONE) for p, m in zip(dst, src, strict=True)]
+        for lo, hi in _groups([m.numel() for m in src], _GROUP, kinds):
+            if kinds[lo][1]:
+                _write_group(dst[lo:hi], src[lo:hi], keys, first + lo)  # type: ignore[arg-type, operator]
+                continue
+            for i in range(lo, hi):
+                _write_one(dst[i], src[i], keys, first + i)  # type: ignore[arg-type, operator]
         return
     for p, m in zip(dst, src, strict=True):
         if enabled(m) and p.is_contiguous() and m.is_contiguous() and m.numel():
             with contextlib.suppress(_Unfused):
                 keys, counter = _stream(m, True, generator)
-                if p.dtype == torch.bfloat16:
-                    _call("bf16_", "", p.view(-1), m.view(-1), keys, counter)
-                else:
-                    p.view(-1).copy_(_call("round", _opts(True, True), m.view(-1), *_elem(nf.FP16, m.device), True,
-                                           keys, counter))
+                _write_one(p, m, keys, counter)  # type: ignore[arg-type]
                 continue
         gen = generator if generator is not None else global_stream(m.device)
         bf16 = p.dtype == torch.bfloat16
