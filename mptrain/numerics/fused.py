@@ -161,10 +161,11 @@ def _kernel(name: str, variant: str) -> Callable[..., Any]:
 class _Entry(NamedTuple):
     kernel: Callable[..., Any]
     key: str  # the variant's name, as _given_up holds it
+    dims: list[int]  # x's dims marked dynamic
 
 
 # (name, options, x's shape) -> its compiled kernel: a step makes hundreds of calls on a few dozen
-# shapes, and naming the variant and marking dims dynamic on every call cost about 5 us a call.
+# shapes, and naming the variant on every call cost a few microseconds a call.
 _entries: dict[tuple[str, str, torch.Size], _Entry] = {}
 
 
@@ -182,13 +183,10 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
         key = f"{name}_{variant}"
         if key in _given_up:
             raise _Unfused
-        # Marked on a shape's first call, the one that may compile. (After a torch._dynamo.reset(),
-        # a seen shape compiles unmarked, and dynamo's automatic dynamic shapes generalise the
-        # kernel at the next shape.)
-        for d, s in enumerate(x.shape):
-            if s != 1:
-                torch._dynamo.maybe_mark_dynamic(x, d)
-        entry = _entries[(name, options, x.shape)] = _Entry(_kernel(name, variant), key)
+        dims = [d for d, s in enumerate(x.shape) if s != 1]
+        entry = _entries[(name, options, x.shape)] = _Entry(_kernel(name, variant), key, dims)
+    # On every call, not only a shape's first: after a torch._dynamo.reset() any call may compile.
+    torch._dynamo.maybe_mark_dynamic(x, entry.dims)
     try:
         return entry.kernel(x, *args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
