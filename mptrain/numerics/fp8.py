@@ -440,8 +440,9 @@ class Fp8State:
     def after_step(self) -> None:
         """After each optimizer step: with ``master_weights=fp16``, round every parameter of every
         converted network onto the FP16 grid (stochastically if ``stochastic_rounding``), so the
-        master copy carries only FP16 information. One fused kernel call for all parameters of a
-        network (per 2**24 elements), one stochastic draw per parameter; no host sync."""
+        master copy carries only FP16 information. The small parameters of a network share one fused
+        kernel call, a large one has its own (``fused.round_params_``); one stochastic draw per
+        parameter; no host sync."""
         if self.backend != "emulated" or self.master_weights != "fp16":
             return
         for model in self.models:

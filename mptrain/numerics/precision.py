@@ -78,7 +78,8 @@ class MasterWeights:
     @torch.no_grad()
     def after_step(self) -> None:
         """Masters back into the model's storage dtype: one multi-tensor copy (round to nearest), or
-        one fused kernel for stochastic rounding (one draw per parameter, as the reference loop)."""
+        for stochastic rounding, fused kernels that the small parameters share and a large one has
+        to itself (``fused.write_back_``; one draw per parameter, as the reference loop)."""
         if not self.model_params:
             return
         if self.stochastic_rounding:
