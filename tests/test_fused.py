@@ -231,7 +231,7 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
 
 def assert_rounded_as_the_reference(params: list[torch.Tensor], stochastic: bool) -> None:
     """round_params_ onto FP16, fused and reference, from streams alike: same values, same draws."""
-    a, b = stream_pair()
+    a, b = RoundingStream(3, params[0].device), RoundingStream(3, params[0].device)
     got = [p.clone() for p in params]
     fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a)
     want = [p.clone() for p in params]
@@ -432,6 +432,27 @@ def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.Mo
     monkeypatch.setattr(torch.Tensor, "__matmul__", record(eager, torch.Tensor.__matmul__))
     linear_step(recipe)
     assert len(graph) == 3 and graph == eager  # fprop, dgrad, wgrad
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_parameter_rounding_on_each_device(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8's FP16 masters and the stochastic bf16 write-back, batched and alone, against the reference
+    on the same device (on a GPU: Triton kernels with indirect loads)."""
+    monkeypatch.setattr(fused, "_GROUP", 2000)
+    monkeypatch.setattr(fused, "_ALONE", 1000)
+    g = torch.Generator().manual_seed(16)
+    params = [torch.randn(s, generator=g).to(device) for s in ((64, 32), (32,), (0,), (40, 60), (9,))]
+    for stochastic in (False, True):
+        assert_rounded_as_the_reference(params, stochastic)
+    a, b = RoundingStream(3, device), RoundingStream(3, device)
+    got = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    fused.write_back_(got, params, a)
+    want = [torch.empty_like(p, dtype=torch.bfloat16) for p in params]
+    with fused.reference():
+        fused.write_back_(want, params, b)
+    for x, y in zip(got, want, strict=True):
+        assert_same(x.float(), y.float())
+    assert int(a.counter) == int(b.counter) == len(params)
 
 
 @pytest.mark.parametrize("device", [CUDA])
