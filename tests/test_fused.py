@@ -39,7 +39,10 @@ from mptrain.numerics.rounding_rng import RoundingStream
 def _fused_on() -> Any:
     with fused.forced(True):
         if not fused.enabled(torch.zeros(1)):
-            pytest.skip("torch.compile cannot build kernels here")
+            why = fused._why_not.get("cpu", "")
+            if why == fused.WRONG:  # a kernel that compiles and rounds wrongly is a failure, not a skip
+                pytest.fail(f"fused quantizers disabled: {why}")
+            pytest.skip(f"torch.compile cannot build kernels here: {why}")
         yield
 
 ELEMENTS = [nf.E4M3, nf.E5M2, nf.E3M2, nf.E2M3, nf.E2M1, nf.FP16, nf.BF16]
@@ -102,6 +105,28 @@ def stream_pair(seed: int = 3) -> tuple[RoundingStream, RoundingStream]:
 @pytest.mark.parametrize("fmt", ELEMENTS, ids=lambda f: f.name)
 def test_element_rounding_to_nearest(fmt: nf.ElementFormat) -> None:
     x = adversarial(64, 96, seed=1) * 2.0 ** (fmt.emax - 8)  # centred on the format's range
+    assert_same(*both(lambda: fused.round_to_element(x, fmt)))
+    if fmt.has_inf or fmt.has_nan:
+        assert_same(*both(lambda: fused.round_to_element(x, fmt, saturate=False)))
+
+
+def grid(fmt: nf.ElementFormat) -> torch.Tensor:
+    """Every non-negative value of ``fmt`` up to its max, from its exponent and mantissa fields."""
+    m = torch.arange(2**fmt.mbits, dtype=torch.float64)
+    normals = [(1 + m / 2**fmt.mbits) * 2.0**e for e in range(fmt.emin, fmt.emax + 1)]
+    values = torch.cat([m * 2.0 ** (fmt.emin - fmt.mbits), *normals]).float()
+    return values[values <= fmt.max_normal]
+
+
+@pytest.mark.parametrize("fmt", ELEMENTS[:-1], ids=lambda f: f.name)
+def test_element_rounding_at_every_tie(fmt: nf.ElementFormat) -> None:
+    """Each grid point, each midpoint between neighbours (a tie: to the even one) and the FP32 values
+    one and two ulps either side, both signs, and past the max: where rounding to nearest even by an
+    add and a subtract (``fused._round``) would go wrong first."""
+    g = grid(fmt)
+    points = torch.cat([g, (g[1:] + g[:-1]) / 2, g[-1:] + 2.0 ** (fmt.emax - fmt.mbits - 1)]).view(torch.int32)
+    x = torch.cat([points + d for d in (-2, -1, 0, 1, 2)]).view(torch.float32)
+    x = torch.cat([x, -x])
     assert_same(*both(lambda: fused.round_to_element(x, fmt)))
     if fmt.has_inf or fmt.has_nan:
         assert_same(*both(lambda: fused.round_to_element(x, fmt, saturate=False)))

@@ -58,6 +58,7 @@ from mptrain.numerics.rounding_rng import (
 log = logging.getLogger(__name__)
 
 _available: dict[str, bool] = {}  # device type -> torch.compile works there
+_why_not: dict[str, str] = {}  # device type -> why the probe failed there
 _forced_reference = os.environ.get("MPTRAIN_FUSED", "1").strip().lower() in ("0", "false", "off", "no")
 _kernels: dict[str, Callable[..., Any]] = {}
 _given_up: set[str] = set()  # kernels that run the reference after a compile failure
@@ -109,7 +110,12 @@ def status(device: torch.device | str) -> str:
     """"fused", or "reference (why)", for the log and summary.json."""
     if _forced_reference:
         return "reference (MPTRAIN_FUSED=0)"
-    return "fused" if enabled(torch.zeros(1, device=device)) else "reference (torch.compile unavailable)"
+    if enabled(torch.zeros(1, device=device)):
+        return "fused"
+    return f"reference (torch.compile unavailable: {_why_not.get(torch.device(device).type, '?')})"
+
+
+WRONG = "the compiled rounding differs from the reference"  # the probe's reason for a miscompiled kernel
 
 
 def _probe(device: torch.device) -> bool:
@@ -117,10 +123,11 @@ def _probe(device: torch.device) -> bool:
         x = torch.linspace(-3, 3, 64, device=device)
         got = _call("round", _opts(True, False), x, *_elem(nf.E4M3, device), True, None, None)
         if not torch.equal(got, nf.round_to_element(x, nf.E4M3)):
-            raise RuntimeError("the compiled rounding differs from the reference")
+            raise RuntimeError(WRONG)
         return True
     except Exception as exc:  # any failure to build a kernel: no compiler, no Triton, ...
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        _why_not[device.type] = reason
         log.warning("fused quantizers unavailable on %s (torch.compile: %s): running the eager reference, "
                     "several times slower", device.type, reason)
         return False
@@ -283,7 +290,7 @@ def _opts(*flags: Any) -> str:
 def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
     """A format's constants as kernel arguments, made once per device (no copy per call):
     float32 [max, 2**mbits, 2**-mbits, overflow threshold, overflow value, max's code is even]
-    and int32 [emin, emax]."""
+    and int32 ``_ints(fmt)``."""
     key = (fmt.name, str(device))
     found = _params.get(key)
     if found is None:
@@ -291,7 +298,7 @@ def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
         pf = torch.tensor([fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits, threshold,
                            math.inf if fmt.has_inf else math.nan, float(nf.max_code_is_even(fmt))],
                           dtype=torch.float32, device=device)  # fmt: skip
-        pi = torch.tensor([fmt.emin, fmt.emax], dtype=torch.int32, device=device)
+        pi = torch.tensor(_ints(fmt), dtype=torch.int32, device=device)
         found = _params[key] = (pf, pi)
     return found
 
@@ -333,13 +340,17 @@ def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
     ``u``) for a format given by its constants (``_elem``). The exponent comes from the bits, and NaN
     needs no select: it propagates through every step (only its payload may differ)."""
     a = xf.abs().clamp(max=pf[0])
+    if u is None:
+        # Round to nearest even by one FP32 add and subtract: with c = 2**(e + 23 - mbits), e = a's
+        # exponent (at least emin), a + c lies in c's binade, whose spacing is the format's spacing
+        # at a, so the add rounds a onto the grid, ties to even, and the subtract is exact. Half the
+        # ops of the scale-round-scale path, every step still exact.
+        c = ((a.view(torch.int32) & 0x7F800000).clamp(min=pi[2]) + pi[3]).view(torch.float32)
+        return _with_sign((a + c) - c, xf)
     e = torch.clamp(_exponent(a), pi[0], pi[1])
     scaled = a * _pow2(-e) * pf[1]
-    if u is None:
-        r = torch.round(scaled)
-    else:
-        down = torch.floor(scaled)
-        r = down + (u < scaled - down).float()
+    down = torch.floor(scaled)
+    r = down + (u < scaled - down).float()
     return _with_sign(r * pf[2] * _pow2(e), xf)
 
 
@@ -467,9 +478,14 @@ def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) ->
     return nf.exp2i(-exps), torch.where(bad, math.nan, nf.exp2i(exps))
 
 
-def _static(fmt: ElementFormat) -> tuple[tuple[float, ...], tuple[int, int]]:
+def _static(fmt: ElementFormat) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """A format's constants as Python numbers, folded into the kernel (NVFP4's fixed E4M3 scales)."""
-    return (fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits), (fmt.emin, fmt.emax)
+    return (fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits), _ints(fmt)
+
+
+def _ints(fmt: ElementFormat) -> tuple[int, ...]:
+    """[emin, emax, emin's FP32 exponent field, (23 - mbits) in the exponent field]: ``_round``'s."""
+    return fmt.emin, fmt.emax, (fmt.emin + 127) << 23, (23 - fmt.mbits) << 23
 
 
 def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
