@@ -369,6 +369,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 50  # consecutive non-finite losses before the run is stopped
     warmup_windows: int = 1  # logging windows left out of the throughput median
     gc_every: int = 50  # steps between Python GC passes (generation 1) with automatic GC off; 0: automatic
+    keep_host_memory: bool = True  # glibc keeps freed memory for the next step (memory.keep_freed_host_memory)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.memory import PeakMemory
+from mptrain.memory import PeakMemory, keep_freed_host_memory
 from mptrain.numerics import fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
@@ -143,6 +143,10 @@ class Engine:
             # Autotuning picks the fastest kernel per shape, which may differ between runs.
             torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
+        # Before the loaders' workers fork: they inherit the setting. Process-wide, never undone.
+        self.host_memory = (keep_freed_host_memory() if t.keep_host_memory
+                            else "glibc defaults (trainer.keep_host_memory=false)")
+        log.info("host memory: %s", self.host_memory)
         self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
         self.peak = PeakMemory(self.device)
         self.precision: Precision = build_precision(cfg.precision, self.device)
@@ -650,6 +654,7 @@ class Engine:
             # torch.compile's time in this run (fused quantizers, trainer.compile), kept out of throughput
             "compile_time_s": round(fused.compile_seconds() - self.compile_start, 3),
             "quantizers": fused.status(self.device) if self.precision.emulated else None,
+            "host_memory": self.host_memory,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "precision_plan": self.plan.to_dict() if self.plan is not None else None,

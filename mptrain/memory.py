@@ -1,10 +1,46 @@
-"""Peak device memory per phase of a run: training's working set, and evaluation's apart."""
+"""Peak device memory per phase of a run (training's working set, and evaluation's apart), and how
+the host's allocator keeps memory between steps."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from typing import Any
 
 import torch
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_host_memory() -> str:
+    """Ask glibc's malloc to keep freed memory for the next step rather than hand it back to the OS:
+    "kept", or "glibc defaults (why)" where it cannot (another C library, another OS).
+
+    Why: a training step frees and allocates the same tensors again every step. By default glibc
+    returns an allocation over its mmap threshold to the OS when it is freed and trims the heap's top
+    once a few hundred KiB lie free there, so the next step takes a page fault, and the kernel
+    zeroes a fresh page, for every 4 KiB it writes again: thousands of faults per step of an
+    emulated-format ResNet-50/8 on a CPU, against a handful for FP32 (measured by
+    ``scripts/host_memory_bench.py``, in docs/benchmarks). PyTorch's CPU tuning advice is
+    jemalloc or tcmalloc through LD_PRELOAD, which keep freed memory likewise; these two settings do
+    it in-process, with no library to install. Process-wide and for the rest of the process: RSS
+    stays at the run's peak, as a GPU's caching allocator keeps its own.
+    """
+    if not sys.platform.startswith("linux"):
+        return f"glibc defaults (not on {sys.platform})"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError) as exc:
+        return f"glibc defaults (no mallopt: {exc})"
+    # Up to 1 GiB from the heap (older glibc caps the threshold at 32 MiB), and never trim it.
+    mapped = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 or mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+    if not (mapped and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1):
+        return "glibc defaults (mallopt refused the settings)"
+    return "kept"
 
 
 class PeakMemory:

@@ -38,6 +38,7 @@ from torch import nn
 from mptrain.bench.common import stamp
 from mptrain.config import ClassifierModelConfig, FP8PrecisionConfig, MXPrecisionConfig, PrecisionConfig
 from mptrain.hardware import device_capability
+from mptrain.memory import keep_freed_host_memory
 from mptrain.models import create_model
 from mptrain.numerics import fused, rounding_rng
 from mptrain.numerics.precision import build_precision
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     cap = device_capability(torch.device("cpu"))
     info["native_bf16"], info["capability_detail"] = cap.native_bf16, cap.detail
     info["quantizers"] = fused.status("cpu")
+    info["host_memory"] = keep_freed_host_memory()  # as a run has it (trainer.keep_host_memory)
 
     rows, skipped = [], []
     for model_name in args.models.split(","):

@@ -34,6 +34,7 @@ import bench_formats as bf  # the script beside this one (its directory leads sy
 import torch
 
 from mptrain.bench.common import stamp
+from mptrain.memory import keep_freed_host_memory
 from mptrain.numerics import fused, mx, rounding_rng
 
 
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     info = stamp(torch.device("cpu"), argv, 1)
     info["command"] = "python scripts/formats_call_budget.py " + " ".join(argv)
     info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info["host_memory"] = keep_freed_host_memory()  # as a run has it (trainer.keep_host_memory)
 
     _, batch, shape, classes = bf.MODELS[args.model]
     g = torch.Generator().manual_seed(1)
