@@ -20,11 +20,10 @@ def keep_freed_host_memory() -> str:
     "kept", or "glibc defaults (why)" where it cannot (another C library, another OS).
 
     Why: a training step frees and allocates the same tensors again every step. By default glibc
-    returns an allocation over its mmap threshold to the OS when it is freed and trims the heap's top
-    once a few hundred KiB lie free there, so the next step takes a page fault, and the kernel
-    zeroes a fresh page, for every 4 KiB it writes again: thousands of faults per step of an
-    emulated-format ResNet-50/8 on a CPU, against a handful for FP32 (measured by
-    ``scripts/host_memory_bench.py``, in docs/benchmarks). PyTorch's CPU tuning advice is
+    returns an allocation over its mmap threshold to the OS when it is freed, and trims the heap's
+    top once more than its trim threshold lies free there, so the next step faults that memory in
+    again: a page fault, and a page zeroed by the kernel, for every 4 KiB it writes
+    (``scripts/host_memory_bench.py`` counts them per step, docs/benchmarks). PyTorch's CPU tuning advice is
     jemalloc or tcmalloc through LD_PRELOAD, which keep freed memory likewise; these two settings do
     it in-process, with no library to install. Process-wide and for the rest of the process: RSS
     stays at the run's peak, as a GPU's caching allocator keeps its own.

@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per mode per round")
     ap.add_argument("--warmup", type=int, default=3, help="steps per mode before timing (compiles the kernels)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--host-memory", choices=("keep", "defaults"), default="keep",
+                    help="keep: freed host memory kept, as a run has it (trainer.keep_host_memory); defaults: glibc's")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-formats")
     args = ap.parse_args(argv)
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     cap = device_capability(torch.device("cpu"))
     info["native_bf16"], info["capability_detail"] = cap.native_bf16, cap.detail
     info["quantizers"] = fused.status("cpu")
-    info["host_memory"] = keep_freed_host_memory()  # as a run has it (trainer.keep_host_memory)
+    info["host_memory"] = keep_freed_host_memory() if args.host_memory == "keep" else "glibc defaults"
 
     rows, skipped = [], []
     for model_name in args.models.split(","):

@@ -57,7 +57,8 @@ def host_memory_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-host-memory
     faults = ", ".join(f"{m} {rows[m]['faults_per_step_defaults']:.0f}" for m in modes)
     ratios = ", ".join(f"{m} {r['kept_vs_defaults']:.2f}" for m, r in rows.items())
     vs = ", ".join(f"{m} {rows[m]['vs_fp32_defaults']:.2f}× → {rows[m]['vs_fp32_kept']:.2f}×" for m in modes)
-    return (f"with glibc's defaults a {d['model']} step took {rows['fp32']['faults_per_step_defaults']:.0f} page faults "
+    fp32 = rows["fp32"]["faults_per_step_defaults"]
+    return (f"with glibc's defaults a {d['model']} step took {fp32:.0f} page faults "
             f"in FP32 and {faults} in the emulated modes (medians of {d['rounds']} alternating processes); with freed "
             f"memory kept (`trainer.keep_host_memory`, on by default) at most "
             f"{max(r['faults_per_step_kept'] for r in rows.values()):.0f}. Step time kept / defaults: {ratios}. FP32 "
