@@ -515,6 +515,66 @@ def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not fused._given_up
 
 
+def test_repeated_calls_skip_dynamo_and_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a call's second time on (same shape, strides, dtype, options), the quantizers call their
+    compiled function directly (``fused._Direct``), with new values: the same results as the
+    reference, bit for bit, in every layout, rounding to nearest and stochastically, and for the
+    element, per-tensor, row-wise and 2D-tile kernels. A bf16 operand of a seen shape, or a
+    transposed one, is a call of its own, not the FP32 one's function."""
+    direct: list[str] = []
+    real = fused._Direct.__call__
+    monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
+    monkeypatch.setattr(fused, "_directs", {})
+    fmts = (BLOCK_FORMATS["mxfp8"], BLOCK_FORMATS["nvfp4"])
+    calls: list[tuple[str, Callable[..., Any], torch.Tensor]] = []
+    for fmt in fmts:
+        for name, x, dim in block_cases(fmt):
+            calls.append((name, lambda x, fmt=fmt, dim=dim: fused.quantize_blocks(x, fmt, dim), x))
+            calls.append((name + " sr", lambda x, fmt=fmt, dim=dim: fused.quantize_blocks(
+                x, fmt, dim, stochastic=True, generator=RoundingStream(7)), x))
+        calls.append(("tiles", lambda x, fmt=fmt: fused.quantize_blocks(x, fmt, block_2d=True), adversarial(48, 40, 3)))
+    x = adversarial(64, 96, seed=4)
+    calls += [("e4m3", lambda x: fused.round_to_element(x, nf.E4M3), x),
+              ("e5m2 sr", lambda x: fused.round_to_element(x, nf.E5M2, stochastic=True,
+                                                           generator=RoundingStream(1)), x),
+              ("per tensor", lambda x: fused.quantize_scaled(x, nf.E4M3), x),
+              ("rowwise", lambda x: fused.axiswise_round(x, nf.E4M3, 0), x),
+              ("bf16 operand", lambda x: fused.quantize_blocks(x.bfloat16(), fmts[0], 1), x),
+              ("transposed", lambda x: fused.quantize_blocks(x.t().contiguous().t(), fmts[0], 1), x)]
+    for name, fn, x in calls:
+        fn(torch.randn_like(x))  # the first call goes through dynamo, and keeps its function
+        del direct[:]
+        got, want = both(lambda fn=fn, x=x: fn(x))
+        assert_same(got, want), name
+        assert direct, f"{name}: the repeated call went through dynamo"
+    assert {k for k, d in fused._directs.items() if d is None} == set()
+
+
+def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct call of a kernel call is built from the graph that dynamo ran for it, among the
+    variant's graphs (here two: n // 32 == 1 compiles a graph of its own), and only when that graph,
+    called directly, returns what dynamo's call returned."""
+    for table in ("_kernels", "_entries", "_directs"):
+        monkeypatch.setattr(fused, table, {})
+    fmt = BLOCK_FORMATS["mxfp8"]
+    args = (*fused._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None)
+    for cols in (96, 32, 64):  # a dynamic graph, then one for a single block, then the first again
+        x = adversarial(64, cols, seed=cols)
+        for _ in range(2):  # dynamo's call, then the direct one
+            got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1))
+            assert_same(got, want)
+    x3 = x.view(64, 64, 1)
+    entry = fused._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
+    assert fused._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, "mx32", False, None, None]
+    out = entry.kernel(x3, *args)
+    (gm, fn), (gm_one, fn_one) = entry.backend.graphs
+    assert entry.backend.ran == 0
+    assert fused._Direct.of(gm, fn, fused._k_blocks, "k", x3, args, out) is not None
+    assert fused._Direct.of(gm_one, fn_one, fused._k_blocks, "k", x3, args, out) is None  # not the graph that ran
+    wrong = (out[0] + 1, *out[1:])
+    assert fused._Direct.of(gm, fn, fused._k_blocks, "k", x3, args, wrong) is None  # not what dynamo returned
+
+
 def test_a_converted_model_trains_identically() -> None:
     """Two steps of an MLP in each emulated mode, fused and reference: the same weights, bit for
     bit (every quantizer, every draw of the rounding streams, the FP16 master rounding)."""
