@@ -840,8 +840,10 @@ def quantize_blocks(
     if enabled(x) and x.numel() and (not block_2d or x.dim() >= 2):
         if torch.compiler.is_compiling():  # call_graph checked that the kernels know the format
             return _blocks(x, fmt, dim, stochastic, generator, block_2d)
-        with contextlib.suppress(_Unfused):
+        try:
             return _blocks(x, fmt, dim, stochastic, generator, block_2d)
+        except _Unfused:
+            pass
     if stochastic and generator is None:
         generator = global_stream(x.device)
     q = mx.quantize_blocks(x, fmt, dim, stochastic=stochastic, generator=generator, block_2d=block_2d)
