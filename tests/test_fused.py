@@ -418,7 +418,8 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     def broken(*args: Any) -> Any:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(fused, "_graphs", {**fused._graphs, **dict.fromkeys(mine, broken)})
+    monkeypatch.setattr(fused, "_graphs", {**fused._graphs, **{k: (broken, fused._graphs[k][1]) for k in mine}})
+    monkeypatch.setattr(fused, "_graph_directs", {})
     monkeypatch.setattr(fused, "_given_up", set())
     with fused.graphs("cpu"):
         got = linear_step(full_recipe("nvfp4 bf16"))
@@ -426,6 +427,27 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
         want = linear_step(full_recipe("nvfp4 bf16"))
     assert_same(got, want)
     assert fused._given_up == set(mine)
+
+
+def test_a_linear_graph_is_called_directly_from_its_second_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linear layer's graphs, as the quantizers' kernels, are called without dynamo from their second
+    call on (row-wise FP8 to nearest, the quickest graphs to compile): the same results as the
+    reference."""
+    direct: list[str] = []
+    real = fused._Direct.__call__
+    monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
+
+    def recipe() -> GemmRecipe:
+        return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2))
+
+    with fused.graphs("cpu"):
+        linear_step(recipe)
+        del direct[:]
+        got = linear_step(recipe)
+    with fused.reference():
+        want = linear_step(recipe)
+    assert_same(got, want)
+    assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
 
 
 def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
