@@ -448,6 +448,7 @@ def test_a_linear_graph_is_called_directly_from_its_second_step(monkeypatch: pyt
         want = linear_step(recipe)
     assert_same(got, want)
     assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
+    assert all(d.generated for d in fused._graph_directs.values() if d is not None)
 
 
 def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -570,6 +571,8 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(monkeypatch: pytest.
         assert_same(got, want), name
         assert direct, f"{name}: the repeated call went through dynamo"
     assert {k for k, d in fused._directs.items() if d is None} == set()
+    # and each calls inductor's generated code, outside AOTAutograd's wrappers (torch 2.11 to 2.15)
+    assert {k for k, d in fused._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
 
 
 def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) -> None:

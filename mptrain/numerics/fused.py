@@ -264,29 +264,36 @@ def _bits(t: Tensor) -> Tensor:
 
 
 class _Direct:
-    """A compiled kernel's inductor function, called with the graph's inputs picked from the kernel's
-    arguments, and its outputs put back where the kernel returns them.
+    """A compiled kernel's code, called with the graph's inputs picked from the kernel's arguments, and
+    its outputs put back where the kernel returns them.
 
     Why: a call through ``torch.compile`` costs ~25 us of host time on a CPU (dynamo's frame
-    evaluation and guards, marking dims dynamic) around a kernel that takes ~3 us on a block of 32
-    rows; an MXFP8 ResNet-50/8 step makes 322 such calls. The guards are what this skips, so a
-    direct call is keyed (``_call``) by everything they check that can vary between calls: x's
-    shape, strides, dtype and device, and the values of the non-tensor arguments (the other tensors
-    are the format's constants and the rounding stream's, made by this module). Built from the
-    graph that dynamo ran for that key (``_Inductor.ran``), and only where the graph's inputs can be read off the
-    arguments (tensors and ints by name, sizes and strides by symbol); checked once, bit for bit, against the
-    result dynamo's call returned. Anything else keeps dynamo's path."""
+    evaluation and guards, marking dims dynamic, AOTAutograd's runtime wrappers) around a kernel
+    that takes ~3 us on a block of 32 rows; an MXFP8 ResNet-50/8 step makes 322 such calls. The
+    guards are what this skips, so a direct call is keyed (``_call``) by everything they check that
+    can vary between calls: x's shape, strides, dtype and device, and the values of the non-tensor
+    arguments (the other tensors are the format's constants and the rounding stream's, made by this
+    module). Built from the graph that dynamo ran for that key (``_Inductor.ran``), and only where
+    the graph's inputs can be read off the arguments (tensors and ints by name, sizes and strides by
+    symbol). It calls inductor's generated code itself where AOTAutograd's wrappers around it have
+    nothing to do (``_generated_call``), else the compiled function; either is checked once, bit
+    for bit, against the result dynamo's call returned. Anything else keeps dynamo's path."""
 
     def __init__(self, fn: Callable[..., Any], picks: list[tuple[int, int, int]], slots: list[bool] | None,
                  key: str, consts: list[Tensor]) -> None:
         self.fn, self.picks, self.slots, self.key, self.consts = fn, picks, slots, key, consts
         self.boxed = False  # the calling convention: fn(list) (AOTAutograd's boxed one), or fn(*inputs)
+        self.generated = False  # fn is inductor's generated code (_generated_call)
 
-    def __call__(self, x: Tensor, args: tuple[Any, ...]) -> Any:
+    def raw(self, x: Tensor, args: tuple[Any, ...]) -> Any:
+        """The graph's outputs, as the compiled code returns them."""
         full = (x, *args)
         inputs = [full[i] if what == 0 else full[i].size(d) if what == 1 else full[i].stride(d) if what == 2
                   else self.consts[i] for i, what, d in self.picks]  # fmt: skip
-        outs = self.fn(inputs) if self.boxed else self.fn(*inputs)
+        return self.fn(inputs) if self.boxed else self.fn(*inputs)
+
+    def __call__(self, x: Tensor, args: tuple[Any, ...]) -> Any:
+        outs = self.raw(x, args)
         if self.slots is None:
             return outs[0]
         it = iter(outs)
@@ -344,6 +351,12 @@ class _Direct:
             return None
         if len(mine) != count:
             return None
+        def same(got: Any) -> bool:
+            got = [got] if isinstance(got, Tensor) else [g for g in got if isinstance(g, Tensor)]
+            return len(got) == len(mine) and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+                and torch.equal(_bits(a), _bits(b)) for a, b in zip(got, mine, strict=True))  # fmt: skip
+
         direct = cls(fn, picks, slots, key, list(consts.values()))
         for direct.boxed in (False, True):
             try:
@@ -353,11 +366,59 @@ class _Direct:
                 pass
         else:
             return None
-        got = [got] if isinstance(got, Tensor) else [g for g in got if isinstance(g, Tensor)]
-        same = len(got) == len(mine) and all(
-            a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(_bits(a), _bits(b))
-            for a, b in zip(got, mine, strict=True))  # fmt: skip
-        return direct if same else None
+        if not same(got):
+            return None
+        call = _generated_call(gm, fn)
+        if call is not None:
+            fast = cls(call, picks, slots, key, direct.consts)
+            fast.boxed = fast.generated = True
+            try:
+                outs = fast.raw(x, args)
+            except Exception:  # inputs the generated code does not take as the graph's: keep the function
+                return direct
+            inputs = {t.untyped_storage().data_ptr() for t in (x, *args, *fast.consts) if isinstance(t, Tensor)}
+            if (isinstance(outs, (list, tuple)) and len(outs) == count and same(fast(x, args))
+                    and not any(o.untyped_storage().data_ptr() in inputs for o in outs)):  # fmt: skip
+                return fast
+        return direct
+
+
+def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Inductor's generated ``call`` for graph ``gm``, found inside AOTAutograd's wrappers of ``fn``
+    (through their closures: no API hands it out), or None where the wrappers may have work to do:
+    parameters or buffers of ``gm`` (inputs they prepend), or not exactly one compiled graph.
+
+    Why: for a graph that mutates no input and returns fresh tensors, as the quantizers' are (the
+    caller checks the outputs), the wrappers' work is bookkeeping, and they cost ~4 us a call (a
+    dynamo-disabled frame, grad-mode and output metadata handling): 4 ms of an MXFP8 ResNet-50/8
+    step on a CPU."""
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:
+        return None
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(fn, 0)]
+    while todo and len(seen) < 2000:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > 12:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, CompiledFxGraph):
+            found[id(obj)] = obj
+            continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                todo.append((cell.cell_contents, depth + 1))
+        if getattr(obj, "__wrapped__", None) is not None:
+            todo.append((obj.__wrapped__, depth + 1))
+        if not isinstance(obj, (type, types.ModuleType, torch.fx.GraphModule)) and hasattr(obj, "__dict__"):
+            todo += [(v, depth + 1) for v in vars(obj).values() if callable(v) or isinstance(v, CompiledFxGraph)]
+    if len(found) != 1:
+        return None
+    return getattr(next(iter(found.values())), "current_callable", None)
 
 
 def _constant(placeholder: str) -> Tensor | None:
@@ -427,6 +488,8 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         if hasattr(a, "graph_key"):  # a GEMM recipe
             return a.graph_key()
         return "-" if a is None else repr(a).replace(" ", "")
+    if torch.compiler.is_compiling():  # a user's torch.compile around the layers: traced into theirs
+        return body(*args)
     variant = body.__name__ + "|" + ",".join(sig(a) for a in args)
     if variant in _given_up:
         return body(*args)
