@@ -216,7 +216,8 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
         return _BODIES[name](x, *args)
     pure = name in _PURE
     if pure:
-        sig = (name, options, x.shape, x.stride(), x.dtype, x.device, *(a for a in args if not isinstance(a, Tensor)))
+        sig = (name, options, x.shape, x.stride(), x.dtype, x.device,
+               *(a.shape if isinstance(a, Tensor) else a for a in args))  # fmt: skip
         direct = _directs.get(sig)
         if direct is not None:
             return direct(x, args)
@@ -254,9 +255,9 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # calling a compiled kernel without dynamo's frame evaluation
 
-# Kernels that only read their arguments (the per-operand quantizers): their compiled functions may
-# be called directly. The in-place ones (round_, round_all, write_all, bf16_) keep dynamo's path.
-_PURE = frozenset({"round", "scaled", "axis", "blocks", "tiles"})
+# Kernels that only read their arguments: their compiled functions may be called directly. The
+# in-place ones (round_, bf16_) keep dynamo's path.
+_PURE = frozenset({"round", "scaled", "axis", "blocks", "tiles", "round_all", "write_all"})
 
 
 def _bits(t: Tensor) -> Tensor:
@@ -271,13 +272,14 @@ class _Direct:
     evaluation and guards, marking dims dynamic, AOTAutograd's runtime wrappers) around a kernel
     that takes ~3 us on a block of 32 rows; an MXFP8 ResNet-50/8 step makes 322 such calls. The
     guards are what this skips, so a direct call is keyed (``_call``) by everything they check that
-    can vary between calls: x's shape, strides, dtype and device, and the values of the non-tensor
-    arguments (the other tensors are the format's constants and the rounding stream's, made by this
-    module). Built from the graph that dynamo ran for that key (``_Inductor.ran``), and only where
-    the graph's inputs can be read off the arguments (tensors and ints by name, sizes and strides by
-    symbol). It calls inductor's generated code itself where AOTAutograd's wrappers around it have
-    nothing to do (``_generated_call``), else the compiled function; either is checked once, bit
-    for bit, against the result dynamo's call returned. Anything else keeps dynamo's path."""
+    can vary between calls: x's shape, strides, dtype and device, the other tensors' shapes (the
+    format's constants, the rounding stream's, a group's index: all made by this module), and the
+    values of the non-tensor arguments. Built from the graph that dynamo ran for that key
+    (``_Inductor.ran``), and only where the graph's inputs can be read off the arguments (tensors
+    and ints by name, sizes and strides by symbol). It calls inductor's generated code itself where
+    AOTAutograd's wrappers around it have nothing to do (``_generated_call``), else the compiled
+    function; either is checked once, bit for bit, against the result dynamo's call returned.
+    Anything else keeps dynamo's path."""
 
     def __init__(self, fn: Callable[..., Any], picks: list[tuple[int, int, int]], slots: list[bool] | None,
                  key: str, consts: list[Tensor]) -> None:
@@ -429,8 +431,8 @@ def _constant(placeholder: str) -> Tensor | None:
     return found[0] if len(found) == 1 else None
 
 
-# (name, options, x's shape, strides, dtype and device, the non-tensor arguments) -> direct call, or
-# None where it has none
+# (name, options, x's shape, strides, dtype and device, the other tensors' shapes, the non-tensor
+# arguments) -> direct call, or None where it has none
 _directs: dict[tuple[Any, ...], _Direct | None] = {}
 
 
@@ -919,8 +921,6 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
             v = view3(x.contiguous(), dim)
         x3, back, strides = v  # type: ignore[misc]
         narrow = _narrow_inner(x3)
-        if not stochastic and narrow:
-            return _like(x, _axiswise(x.movedim(dim, -1).contiguous(), fmt, -1, False, None).movedim(-1, dim))
         if torch.compiler.is_compiling():  # call_graph checked the stream
             return _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
         try:
@@ -937,8 +937,8 @@ def _axis_call(x: Tensor, x3: Tensor, back: Callable[[Tensor], Tensor], strides:
     keys, counter = _stream(x, stochastic, generator)
     if not narrow:
         return back(_call("axis", _opts(stochastic, False), x3, *_elem(fmt, x.device), *strides, keys, counter)[0])
-    # A narrow B with draws: a copy with n innermost, whose kernel draws each element by its index in x
-    # (the strides), as the reference does. 2.5x to 6x faster than the (A, n, B) kernel on a
+    # A narrow B: a copy with n innermost, whose kernel draws each element by its index in x (the
+    # strides), as the reference does. With draws, 2.5x to 6x faster than the (A, n, B) kernel on a
     # 3x3 or 2x2 map (a CPU, one thread).
     y = x3.transpose(1, 2).contiguous()
     out = _call("axis", _opts(stochastic, True), y, *_elem(fmt, x.device), *strides, keys, counter, True)[0]
