@@ -1,12 +1,14 @@
 """How much time an emulated step leaves its quantizer calls, against what one call costs at least.
 
 A bound for ``bench_formats``' "ResNet-50/8 <= 2x FP32" target. In one process, one thread,
-interleaved rounds, it times three training steps of the same model:
+interleaved rounds, it times four training steps of the same model:
 
 - ``fp32``;
 - the emulated mode (``mxfp8`` by default);
 - that mode with its quantizers replaced by the identity ("layers alone"): the same converted layers,
-  autograd functions, convolutions, im2col and copies, and no call into a quantizer.
+  autograd functions, convolutions, im2col and copies, and no call into a quantizer;
+- that mode with every quantizer call through torch.compile's entry (``fused.through_dynamo``: no
+  direct calls), what the direct calls buy.
 
 2x FP32 minus "layers alone" is what the quantizer calls may take for the step to meet 2x; divided by
 the calls a step makes, it is a budget per call. Against it, the least one call costs: the block
@@ -112,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     cells: dict[str, tuple[bf.Mode, Callable[[], Any]]] = {}
     plain = contextlib.nullcontext
     for name, mode, context in (("fp32", "fp32", plain), (args.mode, args.mode, plain),
-                                (f"{args.mode}, quantizers off", args.mode, identity)):
+                                (f"{args.mode}, quantizers off", args.mode, identity),
+                                (f"{args.mode}, through dynamo", args.mode, fused.through_dynamo)):
         built = bf.build(args.model, mode)
         assert not isinstance(built, str), built
         cells[name] = (built, context)

@@ -214,7 +214,7 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     x = x.detach()
     if torch.compiler.is_compiling():
         return _BODIES[name](x, *args)
-    pure = name in _PURE
+    pure = _direct_calls and name in _PURE
     if pure:
         sig = (name, options, x.shape, x.stride(), x.dtype, x.device,
                *(a.shape if isinstance(a, Tensor) else a for a in args))  # fmt: skip
@@ -254,6 +254,21 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
 
 # --------------------------------------------------------------------------------------------
 # calling a compiled kernel without dynamo's frame evaluation
+
+_direct_calls = True  # off (``through_dynamo``): every call through torch.compile's entry
+
+
+@contextlib.contextmanager
+def through_dynamo() -> Iterator[None]:
+    """No direct calls inside the block: every compiled call through torch.compile's entry, as before
+    them (the benchmarks' side of what they buy; scripts/formats_call_budget.py)."""
+    global _direct_calls
+    before, _direct_calls = _direct_calls, False
+    try:
+        yield
+    finally:
+        _direct_calls = before
+
 
 # Kernels that only read their arguments: their compiled functions may be called directly. The
 # in-place ones (round_, bf16_) keep dynamo's path.
@@ -499,7 +514,7 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     # as _call's direct calls: a graph's inputs are its tensors (their layouts key it) and the variant's
     # static arguments; one that reads tensors held by an object (a rounding stream's) has none
     key = (variant, *((a.shape, a.stride(), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
-    direct = _graph_directs.get(key)
+    direct = _graph_directs.get(key) if _direct_calls else None
     if direct is not None:
         return direct(args[0], args[1:])
     entry = _graphs.get(variant)
@@ -518,7 +533,7 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     try:
         backend.ran = None
         out = k(*args)
-        if key not in _graph_directs and backend.ran is not None:
+        if _direct_calls and key not in _graph_directs and backend.ran is not None:
             gm, fn = backend.graphs[backend.ran]
             _graph_directs[key] = _Direct.of(gm, fn, body, variant, args[0], args[1:], out)
         return out
