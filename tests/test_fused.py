@@ -94,6 +94,12 @@ def assert_same(got: Any, want: Any) -> None:
         assert bits_equal(got, want), f"fused differs from the reference in {int((got != want).sum())} values"
 
 
+def as_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiled kernel, graph or direct call from earlier tests: what a new process starts with."""
+    for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs"):
+        monkeypatch.setattr(fused, table, {})
+
+
 def stream_pair(seed: int = 3) -> tuple[RoundingStream, RoundingStream]:
     return RoundingStream(seed), RoundingStream(seed)
 
@@ -532,7 +538,7 @@ def test_blocks_on_cuda_in_every_layout(fmt: BlockFormat, device: str) -> None:
 
 def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The training path runs compiled kernels (it does not quietly fall back to the reference)."""
-    monkeypatch.setattr(fused, "_kernels", {})
+    as_a_fresh_process(monkeypatch)
     fused.quantize_blocks(torch.randn(3, 64), BLOCK_FORMATS["mxfp6_e3m2"], -1)
     assert [k.split("_")[0] for k in fused._kernels] == ["blocks"]  # MX formats share one block kernel
     assert not fused._given_up
@@ -584,8 +590,7 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     """The direct call of a kernel call is built from the graph that dynamo ran for it, among the
     variant's graphs (here two: n // 32 == 1 compiles a graph of its own), and only when that graph,
     called directly, returns what dynamo's call returned."""
-    for table in ("_kernels", "_entries", "_directs"):
-        monkeypatch.setattr(fused, table, {})
+    as_a_fresh_process(monkeypatch)
     fmt = BLOCK_FORMATS["mxfp8"]
     args = (*fused._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None)
     for cols in (96, 32, 64):  # a dynamic graph, then one for a single block, then the first again
@@ -654,7 +659,7 @@ def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
 
     from mptrain import checkpoint
 
-    monkeypatch.setattr(fused, "_kernels", {})  # a fresh process would compile: so does this one
+    as_a_fresh_process(monkeypatch)  # a fresh process would compile: so does this one
     for mode in (["precision=mx", "precision.format=nvfp4"], ["precision=fp8", "precision.format=hybrid"]):
         name = mode[-1].split("=")[1]
         common = [*TINY_TF, *mode, "trainer.max_steps=4", "trainer.log_every=1", "trainer.precision_plan=false"]
