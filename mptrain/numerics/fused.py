@@ -210,7 +210,8 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     """Run kernel ``name`` on ``x`` and ``args``, in the variant of its static ``options`` and of
     x's unit dims. x is detached: gradients never flow through a quantizer (the layers' autograd
     functions own that), and requires_grad would be one more guard. Inside a graph being compiled
-    (``call_graph``), the body is traced into it."""
+    (``call_graph``), the body is traced into it. A pure kernel's call goes direct (``_Direct``) from
+    the second time its signature is seen."""
     x = x.detach()
     if torch.compiler.is_compiling():
         return _BODIES[name](x, *args)
@@ -368,6 +369,7 @@ class _Direct:
             return None
         if len(mine) != count:
             return None
+
         def same(got: Any) -> bool:
             got = [got] if isinstance(got, Tensor) else [g for g in got if isinstance(g, Tensor)]
             return len(got) == len(mine) and all(
