@@ -435,10 +435,11 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     assert fused._given_up == set(mine)
 
 
-def test_a_linear_graph_is_called_directly_from_its_second_step(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Linear layer's graphs, as the quantizers' kernels, are called without dynamo from their second
     call on (row-wise FP8 to nearest, the quickest graphs to compile): the same results as the
-    reference."""
+    reference. (On CUDA, the graphs' default device, this is the path of every Linear layer.)"""
     direct: list[str] = []
     real = fused._Direct.__call__
     monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
@@ -446,12 +447,12 @@ def test_a_linear_graph_is_called_directly_from_its_second_step(monkeypatch: pyt
     def recipe() -> GemmRecipe:
         return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2))
 
-    with fused.graphs("cpu"):
-        linear_step(recipe)
+    with fused.graphs(device):
+        linear_step(recipe, device)
         del direct[:]
-        got = linear_step(recipe)
+        got = linear_step(recipe, device)
     with fused.reference():
-        want = linear_step(recipe)
+        want = linear_step(recipe, device)
     assert_same(got, want)
     assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
     assert all(d.generated for d in fused._graph_directs.values() if d is not None)
@@ -544,7 +545,8 @@ def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not fused._given_up
 
 
-def test_repeated_calls_skip_dynamo_and_match_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """From a call's second time on (same shape, strides, dtype, options), the quantizers call their
     compiled function directly (``fused._Direct``), with new values: the same results as the
     reference, bit for bit, in every layout, rounding to nearest and stochastically, and for the
@@ -560,17 +562,18 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(monkeypatch: pytest.
         for name, x, dim in block_cases(fmt):
             calls.append((name, lambda x, fmt=fmt, dim=dim: fused.quantize_blocks(x, fmt, dim), x))
             calls.append((name + " sr", lambda x, fmt=fmt, dim=dim: fused.quantize_blocks(
-                x, fmt, dim, stochastic=True, generator=RoundingStream(7)), x))
+                x, fmt, dim, stochastic=True, generator=RoundingStream(7, x.device)), x))
         calls.append(("tiles", lambda x, fmt=fmt: fused.quantize_blocks(x, fmt, block_2d=True), adversarial(48, 40, 3)))
     x = adversarial(64, 96, seed=4)
     calls += [("e4m3", lambda x: fused.round_to_element(x, nf.E4M3), x),
               ("e5m2 sr", lambda x: fused.round_to_element(x, nf.E5M2, stochastic=True,
-                                                           generator=RoundingStream(1)), x),
+                                                           generator=RoundingStream(1, x.device)), x),
               ("per tensor", lambda x: fused.quantize_scaled(x, nf.E4M3), x),
               ("rowwise", lambda x: fused.axiswise_round(x, nf.E4M3, 0), x),
               ("bf16 operand", lambda x: fused.quantize_blocks(x.bfloat16(), fmts[0], 1), x),
               ("transposed", lambda x: fused.quantize_blocks(x.t().contiguous().t(), fmts[0], 1), x)]
     for name, fn, x in calls:
+        x = x.to(device)
         fn(torch.randn_like(x))  # the first call goes through dynamo, and keeps its function
         del direct[:]
         got, want = both(lambda fn=fn, x=x: fn(x))
@@ -581,7 +584,7 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(monkeypatch: pytest.
     assert {k for k, d in fused._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
     del direct[:]
     with fused.through_dynamo():  # the benchmarks' other side: every call through torch.compile's entry
-        got, want = both(lambda: calls[0][1](calls[0][2]))
+        got, want = both(lambda: calls[0][1](calls[0][2].to(device)))
     assert_same(got, want)
     assert not direct
 
