@@ -741,6 +741,7 @@ def resnet_verdict_phrases() -> list[str]:
              if r["model"] == "resnet50/8"} for s in ("", "-resnet-repeat")]  # fmt: skip
     modes = [m for (model, m) in FORMAT_TARGETS if model == "resnet50/8"]
     met = [m for m in modes if runs[0][m] <= 2.0]
+    assert set(met) == {"fp8 hybrid", "fp8 hybrid tensor", "mxfp8", "mxfp6", "mxfp4"}  # the modes the bullet names
     mx = [[run[m] for m in ("mxfp8", "mxfp6", "mxfp4")] for run in runs]
     assert all(v <= 2.0 for v in mx[0] + mx[1])  # "just under" in both
     words = {5: "five", 6: "six", 7: "seven"}

@@ -236,12 +236,8 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
     # On every call, not only a shape's first: after a torch._dynamo.reset() any call may compile.
     torch._dynamo.maybe_mark_dynamic(x, entry.dims)
     try:
-        entry.backend.ran = None
-        out = entry.kernel(x, *args)
-        if pure and sig not in _directs and entry.backend.ran is not None:
-            gm, fn = entry.backend.graphs[entry.backend.ran]
-            _directs[sig] = _Direct.of(gm, fn, _BODIES[name], entry.key, x, args, out)
-        return out
+        return _through_dynamo(entry.kernel, entry.backend, _directs, sig if pure else None, _BODIES[name], entry.key,
+                               x, args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         _given_up.add(entry.key)
         for k in [k for k, e in _entries.items() if e.key == entry.key]:
@@ -402,6 +398,19 @@ class _Direct:
         return direct
 
 
+def _through_dynamo(kernel: Callable[..., Any], backend: _Inductor, directs: dict[Any, _Direct | None], key: Any,
+                    body: Callable[..., Any], label: str, x: Tensor, args: tuple[Any, ...]) -> Any:
+    """``kernel(x, *args)``, compiled ``body``, through torch.compile's entry; the first time ``key``
+    (None: no direct call wanted) is seen, the direct call of the graph that ran is kept in ``directs``
+    (None where it has none)."""
+    backend.ran = None
+    out = kernel(x, *args)
+    if key is not None and key not in directs and backend.ran is not None:
+        gm, fn = backend.graphs[backend.ran]
+        directs[key] = _Direct.of(gm, fn, body, label, x, args, out)
+    return out
+
+
 def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any] | None:
     """Inductor's generated ``call`` for graph ``gm``, found inside AOTAutograd's wrappers of ``fn``
     (through their closures: no API hands it out), or None where the wrappers may have work to do:
@@ -533,12 +542,8 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
                 if s != 1:
                     torch._dynamo.maybe_mark_dynamic(a, d)
     try:
-        backend.ran = None
-        out = k(*args)
-        if _direct_calls and key not in _graph_directs and backend.ran is not None:
-            gm, fn = backend.graphs[backend.ran]
-            _graph_directs[key] = _Direct.of(gm, fn, body, variant, args[0], args[1:], out)
-        return out
+        return _through_dynamo(k, backend, _graph_directs, key if _direct_calls else None, body, variant, args[0],
+                               args[1:])
     except Exception as exc:  # past the recompile limit, or a graph dynamo or inductor cannot build
         _given_up.add(variant)
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
