@@ -83,7 +83,7 @@ def floor_us() -> dict[str, float]:
     x3 = torch.randn(1, 32, 1)
     pf, pi = fused._elem(fmt.element, x3.device)
     options = fused._plan_blocks(x3, 1, "mx32", False, True).options
-    args = (pf, pi, "mx32", False, None, None)
+    args = (pf, pi, "mx32", False, None, None, None)  # as a step calls it: no rotation
     fused._call("blocks", options, x3, *args)  # compiles, and marks the dims dynamic as a step's calls do
     kernel = fused._entries["blocks", options, x3.shape, x3.dtype, x3.device].kernel
     return {"fused_call_us": round(per_call_us(lambda: fused._call("blocks", options, x3, *args)), 2),

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mptrain.numerics import formats as nf
-from mptrain.numerics import fused
+from mptrain.numerics import fused, mx
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
 from mptrain.numerics.qgemm import (
     AxiswiseQuantizer,
@@ -193,6 +193,43 @@ def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
             want = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=b)
         assert_same(got, want), name
         assert int(a.counter) == int(b.counter) == 1  # one draw each
+
+
+@pytest.mark.parametrize("fmt", [BLOCK_FORMATS[n] for n in ("nvfp4", "mxfp8", "mxfp4")], ids=lambda f: f.name)
+def test_blocks_rotated_inside_their_kernel(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hadamard rotation of wgrad's operands (NVFP4's recipe) runs inside the block kernel, to
+    nearest and stochastic, in every layout whose length is a multiple of 16, and equals the
+    reference's eager rotation followed by its quantization bit for bit. The fused path never calls
+    the eager rotation."""
+    r = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
+                             torch.float32)  # fmt: skip
+    cases = [(name, x, dim) for name, x, dim in block_cases(fmt) if x.shape[dim] % 16 == 0]
+    assert len(cases) >= 6
+    real = mx.rotate
+    for name, x, dim in cases:
+        monkeypatch.setattr(mx, "rotate", lambda *a: pytest.fail("rotated eagerly"))
+        got = fused.quantize_blocks(x, fmt, dim, rotation=r)
+        a, b = stream_pair(seed=len(name))
+        got_sr = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=a, rotation=r)
+        monkeypatch.setattr(mx, "rotate", real)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, dim, rotation=r)
+            want_sr = fused.quantize_blocks(x, fmt, dim, stochastic=True, generator=b, rotation=r)
+        assert_same(got, want), name
+        assert_same(got_sr, want_sr), name
+    with pytest.raises(ValueError, match="length of 24"):
+        fused.quantize_blocks(torch.randn(4, 24), fmt, 1, rotation=r)
+
+
+def test_the_rotation_is_the_hadamard_product() -> None:
+    """``mx.rotate`` (an ordered sum, so that a kernel can reproduce it) against the dense product
+    with H * diag(signs) / 4 (a BLAS GEMM): equal up to FP32 rounding, and orthogonal."""
+    signs = GemmRecipe.signs(3)
+    r = mx.hadamard_rotation(tuple(int(v) for v in signs.tolist()), torch.device("cpu"), torch.float32)
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(4))
+    dense = (x.view(64, 6, 16) @ (mx.hadamard_matrix(16) * signs)).view(64, 96)
+    torch.testing.assert_close(mx.rotate(x, 1, r), dense, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mx.rotate(mx.rotate(x, 1, r), 1, r).norm(), x.norm())
 
 
 def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -595,7 +632,7 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     called directly, returns what dynamo's call returned."""
     as_a_fresh_process(monkeypatch)
     fmt = BLOCK_FORMATS["mxfp8"]
-    args = (*fused._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None)
+    args = (*fused._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None, None)
     for cols in (96, 32, 64):  # a dynamic graph, then one for a single block, then the first again
         x = adversarial(64, cols, seed=cols)
         for _ in range(2):  # dynamo's call, then the direct one
@@ -604,7 +641,7 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     x3 = x.view(64, 64, 1)
     entry = fused._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
     assert fused._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
-                          args[1].shape, "mx32", False, None, None]  # fmt: skip
+                          args[1].shape, "mx32", False, None, None, None]  # fmt: skip
     out = entry.kernel(x3, *args)
     (gm, fn), (gm_one, fn_one) = entry.backend.graphs
     assert entry.backend.ran == 0

@@ -767,14 +767,19 @@ def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
 
 
 def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
-              counter: Tensor | None) -> tuple[Tensor | None, ...]:
+              counter: Tensor | None, rot: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
     multiple of the block (the caller pads), or, ``short``, N under one block: one block, its
     zero padding left out (it changes no amax). Uniforms follow the reference's layout,
-    x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N."""
+    x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N.
+    ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory."""
     bs = 16 if kind == "nvfp4" else 32
     a, n, b = x3.shape
-    blocks = x3.float().view(a, 1, n, b) if short else x3.float().view(a, n // bs, bs, b)
+    xf = x3.float()
+    if rot is not None:
+        k = rot.shape[1]
+        xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
+    blocks = xf.view(a, 1, n, b) if short else xf.view(a, n // bs, bs, b)
     amax = blocks.abs().amax(2, keepdim=True)
     t_amax = t_scale = None
     if kind == "nvfp4":
@@ -970,17 +975,25 @@ def _axis_call(x: Tensor, x3: Tensor, back: Callable[[Tensor], Tensor], strides:
 def quantize_blocks(
     x: Tensor, fmt: mx.BlockFormat, dim: int = -1, *, stochastic: bool = False,
     generator: torch.Generator | RoundingStream | None = None, block_2d: bool = False,
+    rotation: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros."""
+    """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros.
+    ``rotation`` (``mx.hadamard_rotation``): x is rotated along ``dim`` first, in FP32, as
+    ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's."""
+    if rotation is not None and (block_2d or x.shape[dim] % rotation.shape[1]):
+        raise ValueError(f"quantize_blocks: a rotation runs along dim in blocks of {rotation.shape[1]}, not on "
+                         f"2D tiles nor on a length of {x.shape[dim]}")
     if enabled(x) and x.numel() and (not block_2d or x.dim() >= 2):
         if torch.compiler.is_compiling():  # call_graph checked that the kernels know the format
-            return _blocks(x, fmt, dim, stochastic, generator, block_2d)
+            return _blocks(x, fmt, dim, stochastic, generator, block_2d, rotation)
         try:
-            return _blocks(x, fmt, dim, stochastic, generator, block_2d)
+            return _blocks(x, fmt, dim, stochastic, generator, block_2d, rotation)
         except _Unfused:
             pass
     if stochastic and generator is None:
         generator = global_stream(x.device)
+    if rotation is not None:
+        x = mx.rotate(x.float(), dim, rotation)
     q = mx.quantize_blocks(x, fmt, dim, stochastic=stochastic, generator=generator, block_2d=block_2d)
     return q.local, q.tensor_scale
 
@@ -1007,7 +1020,7 @@ def _like(x: Tensor, q: Tensor) -> Tensor:
 
 
 def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any,
-            block_2d: bool) -> tuple[Tensor, Tensor | None]:
+            block_2d: bool, rot: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     bs = fmt.block_size
     kind = "nvfp4" if fmt.two_level else f"mx{bs}"
     if fmt.block_size != (16 if fmt.two_level else 32) or not _fits(fmt.element):
@@ -1030,13 +1043,15 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     if plan.narrow:
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
-        local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False)
+        local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False, rot)
         return _like(x, local.movedim(-1, dim)), t_scale
     x3 = _to3(x.contiguous() if plan.copy else x, plan.layout)
     if plan.pad:
         x3 = torch.nn.functional.pad(x3, (0, 0, 0, plan.pad))
     keys, counter = _stream(x, stochastic, generator)
-    local, t_scale = _call("blocks", plan.options, x3, pf, pi, kind, plan.short, keys, counter)[:2]
+    # The zeros padded on before the rotation stay zeros (up to sign) and are cut off after it.
+    options = plan.options if rot is None else plan.options + "r"
+    local, t_scale = _call("blocks", options, x3, pf, pi, kind, plan.short, keys, counter, rot)[:2]
     return _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout), t_scale
 
 

@@ -311,17 +311,39 @@ def random_hadamard(x: Tensor, dim: int, signs: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=64)
 def hadamard_rotation(signs: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    """H * diag(signs) on ``device``, built once per (signs, device, dtype): rebuilding it on the
-    host and copying it over on every call cost a blocking host-to-device copy per GEMM operand."""
+    """H * diag(signs) / sqrt(n) as ``rotate`` sums with it, an (n + 1, n) tensor: Sylvester's +-1
+    matrix (n rows), then the column factors signs / sqrt(n). Built once per (signs, device, dtype):
+    rebuilding it on the host and copying it over on every call cost a blocking host-to-device copy
+    per GEMM operand."""
     n = len(signs)
-    return hadamard_matrix(n).to(device=device, dtype=dtype) * torch.tensor(signs, device=device, dtype=dtype)
+    h = hadamard_matrix(n)
+    unit = h * math.sqrt(n)  # exact: +-1/sqrt(n) times sqrt(n), n a power of two
+    return torch.cat([unit, h[:1] * torch.tensor(signs, dtype=h.dtype)]).to(device=device, dtype=dtype)
 
 
-def rotate(x: Tensor, dim: int, m: Tensor) -> Tensor:
-    """Every block of m.shape[0] along ``dim`` times the rotation ``m`` (``random_hadamard``'s product)."""
-    n = m.shape[0]
+def rotate(x: Tensor, dim: int, r: Tensor) -> Tensor:
+    """Every block of n along ``dim`` times the rotation ``r`` (``hadamard_rotation``'s form)."""
+    n = r.shape[1]
     if x.shape[dim] % n:
         raise ValueError(f"random_hadamard: length {x.shape[dim]} along dim {dim} is not a multiple of {n}")
     moved = x.movedim(dim, -1)
-    out = (moved.reshape(*moved.shape[:-1], -1, n) @ m).reshape(moved.shape)
+    out = rotate_blocks(moved.reshape(*moved.shape[:-1], -1, n), r, -1).reshape(moved.shape)
     return out.movedim(-1, dim)
+
+
+def rotate_blocks(v: Tensor, r: Tensor, axis: int) -> Tensor:
+    """v's blocks along ``axis`` (length n) rotated by ``r``: out_j = (sum_i v_i * H_ij) * c_j, the
+    sum in index order, each term exact (H_ij = +-1), one rounding per add and one for the factor c_j.
+
+    Why not a matmul: its order of additions is the BLAS kernel's own, which no compiled kernel can
+    reproduce, so the rotation had to run as an eager GEMM of its own (a pass over memory per wgrad
+    operand). Written as this sum, ``fused`` computes it inside the quantizer's kernel, bit for bit
+    as here: compilers keep the order of floating-point adds (inductor turns off unsafe math), and
+    products by +-1 are exact, so no contraction into an FMA can change a result either."""
+    n = r.shape[1]
+    shape = [1] * v.dim()
+    shape[axis] = n
+    acc = v.narrow(axis, 0, 1) * r[0].view(shape)
+    for i in range(1, n):
+        acc = acc + v.narrow(axis, i, 1) * r[i].view(shape)
+    return acc * r[n].view(shape)
