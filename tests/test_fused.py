@@ -96,7 +96,7 @@ def assert_same(got: Any, want: Any) -> None:
 
 def as_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """No compiled kernel, graph or direct call from earlier tests: what a new process starts with."""
-    for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs"):
+    for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs", "_fast"):
         monkeypatch.setattr(fused, table, {})
 
 
@@ -245,6 +245,7 @@ def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.Monke
         return real(name, options, x3, *args)
 
     monkeypatch.setattr(fused, "_call", record)
+    monkeypatch.setattr(fused, "_fast_for", lambda key: None)  # the plan's path (a repeated call's reads x as well)
     sq = adversarial(64, 64, seed=12)
     x4 = adversarial(8, 64 * 16, seed=13).view(8, 64, 4, 4)
     for layouts in ((sq, sq.t()), (x4, x4.contiguous(memory_format=torch.channels_last))):
@@ -590,9 +591,17 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
     element, per-tensor, row-wise and 2D-tile kernels. A bf16 operand of a seen shape, or a
     transposed one, is a call of its own, not the FP32 one's function; ``through_dynamo`` makes none."""
     direct: list[str] = []
-    real = fused._Direct.__call__
+    real, real_fast = fused._Direct.__call__, fused._Fast.__call__
     monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
-    monkeypatch.setattr(fused, "_directs", {})
+    read: list[bool] = []  # a whole call's fast path (_Fast) read x in place
+
+    def fast(self: fused._Fast, x: torch.Tensor, per_call: Any) -> Any:
+        read.append(x.as_strided(*self.three).data_ptr() == x.data_ptr())
+        direct.append("fast")
+        return real_fast(self, x, per_call)
+
+    monkeypatch.setattr(fused._Fast, "__call__", fast)
+    as_a_fresh_process(monkeypatch)
     fmts = (BLOCK_FORMATS["mxfp8"], BLOCK_FORMATS["nvfp4"])
     calls: list[tuple[str, Callable[..., Any], torch.Tensor]] = []
     for fmt in fmts:
@@ -619,6 +628,8 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
     assert {k for k, d in fused._directs.items() if d is None} == set()
     # and each calls inductor's generated code, outside AOTAutograd's wrappers (torch 2.11 to 2.15)
     assert {k for k, d in fused._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
+    # the plain block and row-wise calls (no copy, no padding) repeat without the entry points' planning
+    assert {k[0] for k in fused._fast} == {"blocks", "axis"} and len(read) >= 2 * len(fmts) * 5 and all(read)
     del direct[:]
     with fused.through_dynamo():  # the benchmarks' other side: every call through torch.compile's entry
         got, want = both(lambda: calls[0][1](calls[0][2].to(device)))

@@ -217,8 +217,7 @@ def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
         return _BODIES[name](x, *args)
     pure = _direct_calls and name in _PURE
     if pure:
-        sig = (name, options, x.shape, x.stride(), x.dtype, x.device,
-               *(a.shape if isinstance(a, Tensor) else a for a in args))  # fmt: skip
+        sig = _signature(name, options, x, args)
         direct = _directs.get(sig)
         if direct is not None:
             return direct(x, args)
@@ -265,6 +264,12 @@ def through_dynamo() -> Iterator[None]:
         yield
     finally:
         _direct_calls = before
+
+
+def _signature(name: str, options: str, x: Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a direct call is keyed by: everything dynamo's guards check that can vary (``_Direct``)."""
+    return (name, options, x.shape, x.stride(), x.dtype, x.device,
+            *(a.shape if isinstance(a, Tensor) else a for a in args))  # fmt: skip
 
 
 # Kernels that only read their arguments: their compiled functions may be called directly. The
@@ -447,6 +452,84 @@ def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callabl
     if len(found) != 1:
         return None
     return getattr(next(iter(found.values())), "current_callable", None)
+
+
+class _Fast:
+    """A quantizer entry point's whole call, from the second time its signature is seen (the entry
+    point, its static arguments, x's shape, strides, dtype and device): x's (A, n, B) view, the
+    generated code with every other input already in place, and the view of its output in x's
+    layout, each worked out once.
+
+    Why: around a kernel of a few microseconds, the entry points spent ~10 us more a call deciding
+    again what the signature decides (the plan, the views, the constants, the direct call's
+    inputs); a ResNet-50/8 step makes 224 to 322 such calls. Only for the plain path (x viewed in
+    place, no padding, no copy) and only where the direct call is inductor's generated code; the
+    rest keeps the full path, which builds these."""
+
+    __slots__ = ("back", "fill", "fn", "owner", "rest", "template", "three")
+
+    def __init__(self, direct: _Direct, full: tuple[Any, ...], per_call: tuple[int, ...], x3: Tensor,
+                 local: Tensor, outputs: int, owner: object) -> None:
+        self.fn = direct.fn
+        template: list[Any] = []
+        fill: list[tuple[int, int]] = []
+        for slot, (i, what, d) in enumerate(direct.picks):
+            if what == 3:
+                template.append(direct.consts[i])
+            elif i in per_call and what == 0:
+                template.append(None)
+                fill.append((slot, per_call.index(i)))
+            elif what == 0:
+                template.append(full[i])  # a format's constants, or an int: the signature pins them
+            elif what == 1 or i == 0:  # every tensor's sizes, and x's strides, are in the signature
+                template.append(full[i].size(d) if what == 1 else full[i].stride(d))
+            else:
+                raise ValueError("a stride the signature does not pin")
+        self.template, self.fill = template, fill
+        self.three = (tuple(x3.shape), x3.stride())
+        self.back = (tuple(local.shape), local.stride())
+        # the caller's outputs after the first: the generated code's output index, or None (the
+        # kernel returns None there, as MX's tensor scale)
+        tensor = direct.slots or [True]
+        self.rest = tuple(sum(tensor[:k]) if tensor[k] else None for k in range(1, outputs))
+        self.owner = owner  # the key holds its id(): kept alive, no other object can take that id
+
+    def __call__(self, x: Tensor, per_call: tuple[Any, ...]) -> tuple[Tensor | None, ...]:
+        inputs = self.template.copy()
+        values = (x.as_strided(*self.three), *per_call)
+        for slot, i in self.fill:
+            inputs[slot] = values[i]
+        outs = self.fn(inputs)
+        return outs[0].as_strided(*self.back), *(None if j is None else outs[j] for j in self.rest)
+
+
+# (entry point, static arguments, x's shape, strides, dtype, device) -> its _Fast
+_fast: dict[tuple[Any, ...], _Fast] = {}
+
+
+def _fast_for(key: tuple[Any, ...]) -> _Fast | None:
+    if not _direct_calls or _forced_reference or torch.compiler.is_compiling():
+        return None
+    return _fast.get(key)
+
+
+def _stream_args(generator: Any, stochastic: bool) -> tuple[Tensor | None, Tensor | None]:
+    """A stream's (keys, counter) as a kernel call's signature sees them, taking no draw."""
+    return (generator.keys, generator.counter) if stochastic else (None, None)
+
+
+def _keep_fast(key: tuple[Any, ...], name: str, options: str, x3: Tensor, args: tuple[Any, ...],
+               per_call: tuple[int, ...], local: Tensor, outputs: int, owner: object) -> None:
+    """After a plain call through ``_call`` with ``args``: its ``_Fast``, where its direct call is
+    inductor's code. ``per_call``: the positions in (x3, *args) of what changes between calls (x's
+    view, the stream's keys and counter, a rotation); ``local``: the output in x's layout."""
+    if key in _fast or not _direct_calls:
+        return
+    direct = _directs.get(_signature(name, options, x3, args))
+    if direct is None or not direct.generated:
+        return
+    with contextlib.suppress(ValueError):
+        _fast[key] = _Fast(direct, (x3, *args), per_call, x3, local, outputs, owner)
 
 
 def _constant(placeholder: str) -> Tensor | None:
@@ -942,18 +1025,29 @@ def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool 
 
 
 def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generator: Any) -> Tensor:
+    if not stochastic or type(generator) is RoundingStream:
+        fast = _fast_for(("axis", id(fmt), dim, stochastic, x.shape, x.stride(), x.dtype, x.device))
+        if fast is not None:
+            return fast(x, (generator.keys, generator.take()) if stochastic else (None, None))[0]  # type: ignore[return-value]
     if enabled(x) and x.numel():
         v = view3(x, dim)
-        if v is None or v[2] is None:
+        in_place = v is not None and v[2] is not None
+        if not in_place:
             v = view3(x.contiguous(), dim)
         x3, back, strides = v  # type: ignore[misc]
         narrow = _narrow_inner(x3)
         if torch.compiler.is_compiling():  # call_graph checked the stream
             return _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
         try:
-            return _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
+            out = _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
         except _Unfused:
             pass
+        else:
+            if in_place and not narrow and (not stochastic or type(generator) is RoundingStream):
+                args = (*_elem(fmt, x.device), *strides, *_stream_args(generator, stochastic))
+                _keep_fast(("axis", id(fmt), dim, stochastic, x.shape, x.stride(), x.dtype, x.device), "axis",
+                           _opts(stochastic, False), x3, args, (0, 6, 7), out, 1, fmt)  # fmt: skip
+            return out
     if stochastic and generator is None:
         generator = global_stream(x.device)
     return nf.axiswise_round(x, fmt, dim, stochastic=stochastic, generator=generator)
@@ -980,6 +1074,13 @@ def quantize_blocks(
     """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros.
     ``rotation`` (``mx.hadamard_rotation``): x is rotated along ``dim`` first, in FP32, as
     ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's."""
+    if not block_2d and (stochastic is False or type(generator) is RoundingStream):
+        key = ("blocks", id(fmt), dim, stochastic, None if rotation is None else rotation.shape, x.shape, x.stride(),
+               x.dtype, x.device)  # fmt: skip
+        fast = _fast_for(key)
+        if fast is not None:
+            keys, counter = (generator.keys, generator.take()) if stochastic else (None, None)  # type: ignore[union-attr]
+            return fast(x, (keys, counter, rotation))  # type: ignore[return-value]
     if rotation is not None and (block_2d or x.shape[dim] % rotation.shape[1]):
         raise ValueError(f"quantize_blocks: a rotation runs along dim in blocks of {rotation.shape[1]}, not on "
                          f"2D tiles nor on a length of {x.shape[dim]}")
@@ -1043,7 +1144,13 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     if plan.narrow:
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
-        local, t_scale = _blocks(x.movedim(dim, -1).contiguous(), fmt, -1, stochastic, generator, False, rot)
+        y = x.movedim(dim, -1).contiguous()
+        fast = _fast_for(("blocks", id(fmt), -1, stochastic, None if rot is None else rot.shape, y.shape, y.stride(),
+                          y.dtype, y.device))  # fmt: skip
+        if fast is not None and (not stochastic or type(generator) is RoundingStream):
+            local, t_scale = fast(y, (*_stream(y, stochastic, generator), rot))
+        else:
+            local, t_scale = _blocks(y, fmt, -1, stochastic, generator, False, rot)
         return _like(x, local.movedim(-1, dim)), t_scale
     x3 = _to3(x.contiguous() if plan.copy else x, plan.layout)
     if plan.pad:
@@ -1051,8 +1158,15 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     keys, counter = _stream(x, stochastic, generator)
     # The zeros padded on before the rotation stay zeros (up to sign) and are cut off after it.
     options = plan.options if rot is None else plan.options + "r"
-    local, t_scale = _call("blocks", options, x3, pf, pi, kind, plan.short, keys, counter, rot)[:2]
-    return _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout), t_scale
+    args = (pf, pi, kind, plan.short, keys, counter, rot)
+    local, t_scale = _call("blocks", options, x3, *args)[:2]
+    local = _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout)
+    if not (plan.copy or plan.pad or torch.compiler.is_compiling()) and (not stochastic or type(generator) is
+                                                                         RoundingStream):  # fmt: skip
+        key = ("blocks", id(fmt), dim, stochastic, None if rot is None else rot.shape, x.shape, x.stride(), x.dtype,
+               x.device)  # fmt: skip
+        _keep_fast(key, "blocks", options, x3, args, (0, 5, 6, 7), local, 2, fmt)
+    return local, t_scale
 
 
 class _BlockPlan(NamedTuple):
