@@ -14,7 +14,9 @@ tests hold every result bit-identical to the eager reference:
 - Stochastic rounding draws from the run's counter-based stream (``rounding_rng``) inside the kernel
   (outside a run, from a stream keyed by the global RNG). A ``torch.Generator`` cannot enter a
   compiled graph: with one, the reference runs.
-- The random Hadamard transform stays an eager matmul (its sums must add in the reference's order).
+- The random Hadamard transform of wgrad's operands runs inside the block kernel: the reference
+  defines it as a sum in index order of exact terms (``mx.rotate_blocks``), which a compiled kernel
+  reproduces bit for bit, where a matmul adds in its BLAS kernel's own order.
 
 Tensors are viewed as (A, n, B) with the blocks along n, without a copy for contiguous tensors and
 for transposes (the weight-gradient GEMM's operands), so a quantizer reads its operand where it is.
@@ -24,7 +26,8 @@ or the test suite, compiles a handful of kernels (each once, for every shape: di
 
 A call into ``torch.compile``'d code costs tens of microseconds of host time (dynamo's frame
 evaluation and guards) around kernels of a few: from its second time on, a call with the same
-shape, strides, dtype and static options calls the compiled function directly (``_Direct``).
+shape, strides, dtype and static options calls the compiled function directly (``_Direct``), and a
+plain block or row-wise call skips the entry point's planning as well (``_Fast``).
 
 On CUDA, ``qgemm`` traces these entry points into one compiled graph per direction of a Linear
 layer (``call_graph``): one call into compiled code per layer, not one per quantizer.
