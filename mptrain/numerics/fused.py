@@ -510,6 +510,12 @@ class _Fast:
 _fast: dict[tuple[Any, ...], _Fast] = {}
 
 
+def _fast_key(name: str, fmt: object, dim: int, stochastic: bool, x: Tensor,
+              rot: Tensor | None = None) -> tuple[Any, ...]:
+    """A call's ``_fast`` key: the entry point, its static arguments, x's layout, dtype and device."""
+    return (name, id(fmt), dim, stochastic, None if rot is None else rot.shape, x.shape, x.stride(), x.dtype, x.device)
+
+
 def _fast_for(key: tuple[Any, ...]) -> _Fast | None:
     if not _direct_calls or _forced_reference or torch.compiler.is_compiling():
         return None
@@ -1029,9 +1035,9 @@ def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool 
 
 def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generator: Any) -> Tensor:
     if not stochastic or type(generator) is RoundingStream:
-        fast = _fast_for(("axis", id(fmt), dim, stochastic, x.shape, x.stride(), x.dtype, x.device))
+        fast = _fast_for(_fast_key("axis", fmt, dim, stochastic, x))
         if fast is not None:
-            return fast(x, (generator.keys, generator.take()) if stochastic else (None, None))[0]  # type: ignore[return-value]
+            return fast(x, _stream(x, stochastic, generator))[0]  # type: ignore[return-value]
     if enabled(x) and x.numel():
         v = view3(x, dim)
         in_place = v is not None and v[2] is not None
@@ -1048,8 +1054,8 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
         else:
             if in_place and not narrow and (not stochastic or type(generator) is RoundingStream):
                 args = (*_elem(fmt, x.device), *strides, *_stream_args(generator, stochastic))
-                _keep_fast(("axis", id(fmt), dim, stochastic, x.shape, x.stride(), x.dtype, x.device), "axis",
-                           _opts(stochastic, False), x3, args, (0, 6, 7), out, 1, fmt)  # fmt: skip
+                _keep_fast(_fast_key("axis", fmt, dim, stochastic, x), "axis", _opts(stochastic, False), x3, args,
+                           (0, 6, 7), out, 1, fmt)  # fmt: skip
             return out
     if stochastic and generator is None:
         generator = global_stream(x.device)
@@ -1078,12 +1084,9 @@ def quantize_blocks(
     ``rotation`` (``mx.hadamard_rotation``): x is rotated along ``dim`` first, in FP32, as
     ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's."""
     if not block_2d and (stochastic is False or type(generator) is RoundingStream):
-        key = ("blocks", id(fmt), dim, stochastic, None if rotation is None else rotation.shape, x.shape, x.stride(),
-               x.dtype, x.device)  # fmt: skip
-        fast = _fast_for(key)
+        fast = _fast_for(_fast_key("blocks", fmt, dim, stochastic, x, rotation))
         if fast is not None:
-            keys, counter = (generator.keys, generator.take()) if stochastic else (None, None)  # type: ignore[union-attr]
-            return fast(x, (keys, counter, rotation))  # type: ignore[return-value]
+            return fast(x, (*_stream(x, stochastic, generator), rotation))  # type: ignore[return-value]
     if rotation is not None and (block_2d or x.shape[dim] % rotation.shape[1]):
         raise ValueError(f"quantize_blocks: a rotation runs along dim in blocks of {rotation.shape[1]}, not on "
                          f"2D tiles nor on a length of {x.shape[dim]}")
@@ -1148,8 +1151,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
         y = x.movedim(dim, -1).contiguous()
-        fast = _fast_for(("blocks", id(fmt), -1, stochastic, None if rot is None else rot.shape, y.shape, y.stride(),
-                          y.dtype, y.device))  # fmt: skip
+        fast = _fast_for(_fast_key("blocks", fmt, -1, stochastic, y, rot))
         if fast is not None and (not stochastic or type(generator) is RoundingStream):
             local, t_scale = fast(y, (*_stream(y, stochastic, generator), rot))
         else:
@@ -1166,9 +1168,8 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     local = _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout)
     if not (plan.copy or plan.pad or torch.compiler.is_compiling()) and (not stochastic or type(generator) is
                                                                          RoundingStream):  # fmt: skip
-        key = ("blocks", id(fmt), dim, stochastic, None if rot is None else rot.shape, x.shape, x.stride(), x.dtype,
-               x.device)  # fmt: skip
-        _keep_fast(key, "blocks", options, x3, args, (0, 5, 6, 7), local, 2, fmt)
+        _keep_fast(_fast_key("blocks", fmt, dim, stochastic, x, rot), "blocks", options, x3, args, (0, 5, 6, 7), local,
+                   2, fmt)
     return local, t_scale
 
 
