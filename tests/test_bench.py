@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,6 +151,27 @@ def test_profile_writes_both_runners_tables(tmp_path, device):
         assert f"=== {runner}: torch.profiler, 1 steps, sorted by self CPU time ===" in text
         assert f"=== {runner}: cProfile, 1 steps" in text
     assert ("sorted by self device time; kernels" in text) == (device == "cuda")
+    if device == "cuda":  # the kernels' time a step is torch's own total of the device events (1 step)
+        for runner in ("engine", "bare"):
+            part = text.split(f"=== {runner}: torch.profiler, sorted by self device time; kernels ")[1]
+            busy = float(part.split(" ms a step")[0])
+            total = re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", part)
+            assert total is not None
+            assert busy == pytest.approx(float(total[1]) / (1 if total[2] == "ms" else 1e3), rel=0.01, abs=0.01)
+
+
+def test_kernel_time_counts_each_kernel_once():
+    """A profile's rows hold an op (aten::mm, a CPU event that carries its kernels' device time) and
+    the kernel itself (a CUDA event): the time a step is the kernels' alone."""
+    from torch.autograd import DeviceType
+
+    from mptrain.bench.harness import device_ms_per_step
+
+    rows = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=3000.0),  # aten::mm
+            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=3000.0),  # its GEMM kernel
+            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1000.0),  # an elementwise kernel
+            SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)]  # cudaLaunchKernel
+    assert device_ms_per_step(rows, steps=2) == 2.0
 
 
 def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
@@ -438,3 +461,111 @@ def test_the_h100_run_in_prose_is_its_data():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"float8 {x(fp8['fp8_torchao']['speedup_vs_bf16'])} bf16; the emulated formats {slower('mxfp8')} "
             f"(mxfp8) and {slower('nvfp4')} (nvfp4) bf16's step time") in readme
+
+
+def test_the_fourth_gpu_run_in_prose_is_its_data():
+    """docs/benchmarks/README.md's figures of the 2026-11-27 H100 run, from its tables, its profiles
+    (torch's totals of the device events, not the harness's lines, which counted kernels twice) and
+    its logs."""
+    bench_dir = ROOT / "docs/benchmarks"
+
+    def cells(day: str, name: str) -> dict[str, dict]:
+        data = json.loads((bench_dir / f"h100-{day}-{name}.json").read_text())
+        assert data["meta"]["device_name"] == "NVIDIA H100 80GB HBM3"
+        return {c["precision"]: c for c in data["cells"]}
+
+    fmt, fp8 = cells("2026-11-27", "transformer-formats"), cells("2026-11-27", "transformer-fp8")
+    fmt0, fp80 = cells("2026-11-26", "transformer-formats"), cells("2026-11-26", "transformer-fp8")
+    main_job = json.loads((bench_dir / "h100-2026-11-27-main-job.json").read_text())
+    x = "{:.2f}×".format
+
+    def slower(cells: dict[str, dict], p: str) -> str:
+        return x(1 / cells[p]["speedup_vs_bf16"])
+
+    def ms(v: float) -> str:
+        return f"{v:.1f} ms"
+
+    # each profiled cell (2 steps): torch's device total, aten::mm's and addmm's self device time,
+    # the quantized Linear functions' self CPU time, the process's CPU total and its Triton launches
+    def millis(value: str, unit: str) -> float:
+        return float(value) / (1e3 if unit == "us" else 1)
+
+    prof: dict[str, dict[str, float]] = {}
+    for part in (bench_dir / "h100-2026-11-27-formats-profiles.txt").read_text().split("##### ")[1:]:
+        cell = part.split("\n")[0].removeprefix("profile-transformer-lm-").removesuffix("-b32-base.txt")
+        row: dict[str, float] = {}
+        engine = part.split("=== bare:")[0]
+        device = re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", engine)
+        row["kernels"] = millis(*device.groups()) / 2
+        row["cpu"] = millis(*re.search(r"Self CPU time total: ([\d.]+)(ms|us)", engine).groups())
+        for op in ("aten::mm", "aten::addmm", "QuantLinearFn", "QuantLinearFnBackward"):
+            # columns: self CPU %, self CPU, CPU total %, CPU total, CPU time avg, self CUDA
+            cols = r"\s+[\d.]+%\s+([\d.]+)(ms|us)\s+[\d.]+%\s+\S+\s+\S+\s+([\d.]+)(ms|us)"
+            m = re.search(rf"^\s+{op}{cols}", engine, re.M)
+            row[op + " cpu"] = millis(m[1], m[2]) / 2 if m else 0.0
+            row[op] = millis(m[3], m[4]) / 2 if m else 0.0
+        launches = re.search(r"^\s+(\d+)\s+\S+\s+\S+\s+\S+\s+\S+\s+\S*triton_heuristics\.py:\d+\(run\)", engine, re.M)
+        row["triton"] = float(launches[1]) if launches else 0.0
+        prof[cell.replace("-", "_")] = row
+    assert set(prof) == {"amp_bf16", "mxfp8", "mxfp8_bf16", "nvfp4"}
+
+    quotes = [
+        f"| {slower(fmt, 'mxfp8')} and {slower(fmt, 'nvfp4')} (FP32 products); {slower(fmt, 'mxfp8_bf16')} (mxfp8, "
+        "bf16 products; the limit cut nvfp4_bf16) | no |",
+        f"| {x(fp8['fp8_torchao']['speedup_vs_bf16'])} tensorwise; the limit cut rowwise | tensorwise |",
+        f"| amp_bf16 | {ms(1e3 * fmt['amp_bf16']['step_time_s'])} | {ms(prof['amp_bf16']['kernels'])} | "
+        f"{ms(prof['amp_bf16']['aten::mm'] + prof['amp_bf16']['aten::addmm'])} (with `aten::addmm`) |",
+        *(f"| {p} | {ms(1e3 * fmt[p]['step_time_s'])} | {ms(prof[p]['kernels'])} | {ms(prof[p]['aten::mm'])} |"
+          for p in ("mxfp8", "mxfp8_bf16", "nvfp4")),
+        f"the kernels of an mxfp8 step take {ms(prof['mxfp8_bf16']['kernels'])}, "
+        f"{prof['mxfp8_bf16']['kernels'] / (1e3 * fmt['amp_bf16']['step_time_s']):.2f} of bf16's whole step",
+        f"spent {prof['mxfp8']['QuantLinearFn cpu'] + prof['mxfp8']['QuantLinearFnBackward cpu']:.0f} ms of their "
+        "own CPU time a step in the profile of either mxfp8 cell",
+        f"{prof['mxfp8_bf16']['triton']:.0f} Triton launches in two mxfp8_bf16 steps",
+        f"({ms(prof['mxfp8_bf16']['kernels'])} against {ms(prof['mxfp8']['kernels'])})",
+        f"({prof['mxfp8_bf16']['cpu']:.0f} and {prof['mxfp8']['cpu']:.0f} ms of CPU in the two profiled steps)",
+        f"makes the bf16 cell's step {1e3 * (fmt['mxfp8_bf16']['step_time_s'] - fmt['mxfp8']['step_time_s']):.0f} "
+        "ms longer",
+        f"bf16's host-paced step took {ms(1e3 * fmt['amp_bf16']['step_time_s'])} here against "
+        f"{ms(1e3 * fmt0['amp_bf16']['step_time_s'])} on 2026-11-26's H100",
+        f"took {ms(1e3 * fp8['amp_bf16']['step_time_s'])} against {ms(1e3 * fp80['amp_bf16']['step_time_s'])}",
+        f"(mxfp8 {slower(fmt0, 'mxfp8')}, nvfp4 {slower(fmt0, 'nvfp4')})",
+        f"final loss {main_job['final_loss']:.2f}, {main_job['throughput']:,.0f} img/s, peak memory "
+        f"{main_job['peak_memory_bytes'] / 2**20:,.0f} MiB",
+        f"{main_job['steps']} steps, {main_job['skipped_steps']} skipped at the start",
+    ]
+    # the claims behind the words
+    assert main_job["status"] == "completed"
+    assert "nvfp4_bf16" not in fmt and "fp8_torchao_rowwise" not in fp8  # "the limit cut"
+    assert fp8["fp8_torchao"]["speedup_vs_bf16"] >= 1.3  # tensorwise met (1.30)
+    assert all(1 / fmt[p]["speedup_vs_bf16"] > 1.3 for p in ("mxfp8", "nvfp4", "mxfp8_bf16"))  # "no"
+    assert prof["amp_bf16"]["kernels"] < 0.25 * 1e3 * fmt["amp_bf16"]["step_time_s"]  # "a fifth of it"
+    assert 0.4 < prof["mxfp8"]["aten::mm"] / prof["mxfp8"]["kernels"] < 0.6  # "half of the ... kernels' time"
+    assert prof["mxfp8_bf16"]["kernels"] < 0.6 * prof["mxfp8"]["kernels"]  # bf16 products "halve" them
+    assert fmt["mxfp8_bf16"]["step_time_s"] > fmt["mxfp8"]["step_time_s"]  # and yet the step is slower
+    assert abs(fp8["amp_bf16"]["step_time_s"] / fp80["amp_bf16"]["step_time_s"] - 1) < 0.01  # same GPU speed
+    assert fmt["amp_bf16"]["step_time_s"] / fmt0["amp_bf16"]["step_time_s"] > 1.5  # a slower host
+    # the harness's old lines counted each kernel twice: about twice torch's total for two steps
+    old = [float(v) for v in re.findall(r"engine: torch.profiler, sorted by self device time; kernels ([\d.]+) ms",
+                                        (bench_dir / "h100-2026-11-27-formats-profiles.txt").read_text())]
+    assert all(0.95 < v / (2 * prof[c]["kernels"]) < 1.1 for v, c in zip(old, prof, strict=True))
+    text = " ".join((bench_dir / "README.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in text]
+    assert not missing, missing
+    log = (bench_dir / "h100-2026-11-27-gpu-check-tests.log").read_text()
+    assert "86 passed" in log and "2 failed, 899 passed" in log
+    cuda_log = (bench_dir / "h100-2026-11-27-cuda-tests.log").read_text()
+    ran = set(re.findall(r"\] PASSED (tests/\S+)", cuda_log))
+    assert len(ran) == 86 and "FAILED" not in cuda_log
+    assert not [t for t in ran if not t.startswith(("tests/test_cuda.py", "tests/test_bench.py", "tests/test_fp8.py"))]
+    assert not [t for t in ran if t.startswith(("tests/test_fused.py", "tests/test_fsdp2.py"))]
+    cpu_log = (bench_dir / "h100-2026-11-27-cpu-suite.log").read_text()
+    assert cpu_log.count("Failed: Timeout (>120.0s) from pytest-timeout.") == 2
+    assert re.findall(r"^FAILED (\S+)", cpu_log, re.M) == [
+        "tests/test_fused.py::test_blocks_to_nearest_in_every_layout[mxfp8_e5m2]",
+        "tests/test_fused.py::test_quantized_conv2d_with_the_full_recipe[nvfp4-nchw]"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"the emulated formats {slower(fmt, 'mxfp8')} (mxfp8) and {slower(fmt, 'nvfp4')} (nvfp4) bf16's step "
+            f"time, with profiles that show the step paced by the host: bf16 products bring an mxfp8 step's kernels "
+            f"down to {ms(prof['mxfp8_bf16']['kernels'])} against bf16's {ms(1e3 * fmt['amp_bf16']['step_time_s'])} "
+            "step") in readme

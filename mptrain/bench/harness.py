@@ -437,6 +437,15 @@ def _mfu(flops: int | None, step_time: float | None, peak: float | None) -> floa
 # ------------------------------------------------------------------------------------ profiling
 
 
+def device_ms_per_step(table: Any, steps: int) -> float:
+    """The kernels' time a step, from a profiler's ``key_averages()``: the rows of device events alone,
+    as torch's own table totals them. An op's row (``aten::mm``) carries its kernels' time as well, so
+    a sum over every row counted each kernel twice (the H100 profiles of 2026-11-27 say 2x)."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in table if e.device_type != DeviceType.CPU) / steps / 1e3
+
+
 def profile_cell(cell: Cell, eng: EngineRunner, e_stream: Iterator[Micro], bare: Runner | None,
                  b_stream: Iterator[Micro] | None, device: torch.device, steps: int, out: Path) -> dict[str, Any]:
     """torch.profiler op tables and a cProfile of both runners; what the engine runs that bare does not.
@@ -464,7 +473,7 @@ def profile_cell(cell: Cell, eng: EngineRunner, e_stream: Iterator[Micro], bare:
         if device.type == "cuda":
             # The kernels' own time against the step's (the bench table): a step whose kernels take
             # far less than it is paced by the host, and the table shows which kernels dominate.
-            busy = sum(e.self_device_time_total for e in table) / steps / 1e3
+            busy = device_ms_per_step(table, steps)
             text.write(f"=== {name}: torch.profiler, sorted by self device time; kernels {busy:.2f} ms a step ===\n")
             text.write(table.table(sort_by="self_device_time_total", row_limit=40))
             text.write("\n")
