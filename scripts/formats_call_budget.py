@@ -7,13 +7,13 @@ interleaved rounds, it times four training steps of the same model:
 - the emulated mode (``mxfp8`` by default);
 - that mode with its quantizers replaced by the identity ("layers alone"): the same converted layers,
   autograd functions, convolutions, im2col and copies, and no call into a quantizer;
-- that mode with every quantizer call through torch.compile's entry (``fused.through_dynamo``: no
+- that mode with every quantizer call through torch.compile's entry (``compiled_calls.through_dynamo``: no
   direct calls), what the direct calls buy.
 
 2x FP32 minus "layers alone" is what the quantizer calls may take for the step to meet 2x; divided by
 the calls a step makes, it is a budget per call. Against it, the least one call costs: the block
-kernel on one block of 32 elements, through ``fused._call`` (the path every call takes: a direct call
-of the compiled function from a shape's second call on, ``fused._Direct``) and through torch.compile's
+kernel on one block of 32 elements, through ``compiled_calls._call`` (the path every call takes: a direct call
+of the compiled function from a shape's second call on, ``compiled_calls._Direct``) and through torch.compile's
 own entry (dynamo's guards, then the same function). If the floor is above the budget, no kernel
 speed-up meets the target while each operand is a call of its own.
 
@@ -38,7 +38,7 @@ import torch
 
 from mptrain.bench.common import stamp
 from mptrain.memory import keep_freed_host_memory
-from mptrain.numerics import fused, mx, rounding_rng
+from mptrain.numerics import compiled_calls, fused, fused_kernels, mx, rounding_rng
 
 
 @contextlib.contextmanager
@@ -78,15 +78,15 @@ def per_call_us(fn: Callable[[], Any], n: int = 2000) -> float:
 
 
 def floor_us() -> dict[str, float]:
-    """One block of 32 elements through the MXFP8 block kernel: fused._call, and the compiled function."""
+    """One block of 32 elements through the MXFP8 block kernel: compiled_calls._call, and the compiled function."""
     fmt = mx.BLOCK_FORMATS["mxfp8"]
     x3 = torch.randn(1, 32, 1)
-    pf, pi = fused._elem(fmt.element, x3.device)
+    pf, pi = fused_kernels._elem(fmt.element, x3.device)
     options = fused._plan_blocks(x3, 1, "mx32", False, True).options
     args = (pf, pi, "mx32", False, None, None, None)  # as a step calls it: no rotation
-    fused._call("blocks", options, x3, *args)  # compiles, and marks the dims dynamic as a step's calls do
-    kernel = fused._entries["blocks", options, x3.shape, x3.dtype, x3.device].kernel
-    return {"fused_call_us": round(per_call_us(lambda: fused._call("blocks", options, x3, *args)), 2),
+    compiled_calls._call("blocks", options, x3, *args)  # compiles, and marks the dims dynamic as a step's calls do
+    kernel = compiled_calls._entries["blocks", options, x3.shape, x3.dtype, x3.device].kernel
+    return {"fused_call_us": round(per_call_us(lambda: compiled_calls._call("blocks", options, x3, *args)), 2),
             "compiled_fn_us": round(per_call_us(lambda: kernel(x3, *args)), 2)}
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     plain = contextlib.nullcontext
     for name, mode, context in (("fp32", "fp32", plain), (args.mode, args.mode, plain),
                                 (f"{args.mode}, quantizers off", args.mode, identity),
-                                (f"{args.mode}, through dynamo", args.mode, fused.through_dynamo)):
+                                (f"{args.mode}, through dynamo", args.mode, compiled_calls.through_dynamo)):
         built = bf.build(args.model, mode)
         assert not isinstance(built, str), built
         cells[name] = (built, context)
@@ -171,8 +171,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"({1e3 * r['quantizers_in_step_ms'] / r['quantizer_calls']:.0f} us a call)",
         f"- budget for them at {r['target_vs_fp32']}x FP32: {r['target_vs_fp32']} x {ms['fp32']:.1f} - "
         f"{ms[off]:.1f} = {r['budget_ms']:.1f} ms, {r['budget_per_call_us']:.1f} us a call",
-        f"- one block of 32 through the block kernel: {fl['fused_call_us']:.1f} us via fused._call (a direct call "
-        f"from the second on), {fl['compiled_fn_us']:.1f} us through torch.compile's entry",
+        f"- one block of 32 through the block kernel: {fl['fused_call_us']:.1f} us via compiled_calls._call (a "
+        f"direct call from the second on), {fl['compiled_fn_us']:.1f} us through torch.compile's entry",
         "",
     ])
 

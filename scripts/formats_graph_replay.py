@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from mptrain.bench.cli import main as bench
-from mptrain.numerics import fused
+from mptrain.numerics import compiled_calls, fused
 
 CELLS = "amp_bf16,mxfp8,mxfp8_bf16,nvfp4,nvfp4_bf16"
 
@@ -29,7 +29,7 @@ def main() -> None:
         bench(["--no-process-warmup", "--out", str(out), "--name", "replay", "--models", "transformer_lm_tiny",
                "--batch-sizes", "4", "--steps", "4", "--window", "2", "--warmup", "2", "--precisions", CELLS,
                "--device", "cpu"])
-    print(f"graphs compiled: {len(fused._graphs)}; given up: {sorted(fused._given_up) or 'none'}")
+    print(f"graphs compiled: {len(compiled_calls._graphs)}; given up: {sorted(compiled_calls._given_up) or 'none'}")
     for c in json.loads((out / "replay.json").read_text())["cells"]:
         print(f"{c['precision']:<12} {1e3 * c['step_time_s']:6.1f} ms  {c.get('fused_graphs')}")
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
+from mptrain.numerics import compiled_calls, fused, fused_kernels, mx
 from mptrain.numerics import formats as nf
-from mptrain.numerics import fused, mx
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
 from mptrain.numerics.qgemm import (
     AxiswiseQuantizer,
@@ -97,7 +97,7 @@ def assert_same(got: Any, want: Any) -> None:
 def as_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """No compiled kernel, graph or direct call from earlier tests: what a new process starts with."""
     for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs", "_fast"):
-        monkeypatch.setattr(fused, table, {})
+        monkeypatch.setattr(compiled_calls, table, {})
 
 
 def stream_pair(seed: int = 3) -> tuple[RoundingStream, RoundingStream]:
@@ -128,7 +128,7 @@ def grid(fmt: nf.ElementFormat) -> torch.Tensor:
 def test_element_rounding_at_every_tie(fmt: nf.ElementFormat) -> None:
     """Each grid point, each midpoint between neighbours (a tie: to the even one) and the FP32 values
     one and two ulps either side, both signs, and past the max: where rounding to nearest even by an
-    add and a subtract (``fused._round``) would go wrong first."""
+    add and a subtract (``fused_kernels._round``) would go wrong first."""
     g = grid(fmt)
     points = torch.cat([g, (g[1:] + g[:-1]) / 2, g[-1:] + 2.0 ** (fmt.emax - fmt.mbits - 1)]).view(torch.int32)
     x = torch.cat([points + d for d in (-2, -1, 0, 1, 2)]).view(torch.float32)
@@ -195,13 +195,14 @@ def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
         assert int(a.counter) == int(b.counter) == 1  # one draw each
 
 
-# MXFP4 shares MXFP8's block kernel (the element format is an argument): two formats cover both kernels.
-@pytest.mark.parametrize("fmt", [BLOCK_FORMATS[n] for n in ("nvfp4", "mxfp8")], ids=lambda f: f.name)
-def test_blocks_rotated_inside_their_kernel(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+# NVFP4's recipe is the one that rotates by default; the MX kernel's rotation is held to the reference
+# by the full-recipe Linear and Conv2d tests (their MX cases rotate wgrad's operands too).
+def test_blocks_rotated_inside_their_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Hadamard rotation of wgrad's operands (NVFP4's recipe) runs inside the block kernel, to
     nearest and stochastic, in every layout whose length is a multiple of 16, and equals the
     reference's eager rotation followed by its quantization bit for bit. The fused path never calls
     the eager rotation."""
+    fmt = BLOCK_FORMATS["nvfp4"]
     r = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
                              torch.float32)  # fmt: skip
     cases = [(name, x, dim) for name, x, dim in block_cases(fmt) if x.shape[dim] % 16 == 0]
@@ -334,7 +335,7 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
 
     def refuse(name: str, *args: object) -> object:
         if name == "round_all":
-            raise fused._Unfused
+            raise compiled_calls._Unfused
         return real(name, *args)
 
     monkeypatch.setattr(fused, "_call", refuse)
@@ -451,27 +452,28 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     """On a graph device a Linear layer makes one compiled call per direction (none given up); a
     graph that cannot be built costs its variant the graph, not the result."""
     calls: list[str] = []
-    real = fused.call_graph
-    monkeypatch.setattr(fused, "call_graph", lambda body, *a: calls.append(body.__name__) or real(body, *a))
+    real = compiled_calls.call_graph
+    monkeypatch.setattr(compiled_calls, "call_graph", lambda body, *a: calls.append(body.__name__) or real(body, *a))
     with fused.graphs("cpu"):
         linear_step(full_recipe("nvfp4 bf16"))
     assert calls == ["_linear_fwd", "_linear_bwd"]
-    mine = [k for k in fused._graphs if ":rht:2d" in k and k.split("|")[1].startswith("Txx")]
+    mine = [k for k in compiled_calls._graphs if ":rht:2d" in k and k.split("|")[1].startswith("Txx")]
     assert sorted(k.split("|")[0] for k in mine) == ["_linear_bwd", "_linear_fwd"]
-    assert not set(mine) & fused._given_up
+    assert not set(mine) & compiled_calls._given_up
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(fused, "_graphs", {**fused._graphs, **{k: (broken, fused._graphs[k][1]) for k in mine}})
-    monkeypatch.setattr(fused, "_graph_directs", {})
-    monkeypatch.setattr(fused, "_given_up", set())
+    graphs = compiled_calls._graphs
+    monkeypatch.setattr(compiled_calls, "_graphs", {**graphs, **{k: (broken, graphs[k][1]) for k in mine}})
+    monkeypatch.setattr(compiled_calls, "_graph_directs", {})
+    monkeypatch.setattr(compiled_calls, "_given_up", set())
     with fused.graphs("cpu"):
         got = linear_step(full_recipe("nvfp4 bf16"))
     with fused.reference():
         want = linear_step(full_recipe("nvfp4 bf16"))
     assert_same(got, want)
-    assert fused._given_up == set(mine)
+    assert compiled_calls._given_up == set(mine)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -480,8 +482,9 @@ def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, mon
     call on (row-wise FP8 to nearest, the quickest graphs to compile): the same results as the
     reference. (On CUDA, the graphs' default device, this is the path of every Linear layer.)"""
     direct: list[str] = []
-    real = fused._Direct.__call__
-    monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
+    Direct = compiled_calls._Direct
+    real = Direct.__call__
+    monkeypatch.setattr(Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
 
     def recipe() -> GemmRecipe:
         return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2))
@@ -494,7 +497,7 @@ def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, mon
         want = linear_step(recipe, device)
     assert_same(got, want)
     assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
-    assert all(d.generated for d in fused._graph_directs.values() if d is not None)
+    assert all(d.generated for d in compiled_calls._graph_directs.values() if d is not None)
 
 
 def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -580,29 +583,34 @@ def test_fused_kernels_really_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """The training path runs compiled kernels (it does not quietly fall back to the reference)."""
     as_a_fresh_process(monkeypatch)
     fused.quantize_blocks(torch.randn(3, 64), BLOCK_FORMATS["mxfp6_e3m2"], -1)
-    assert [k.split("_")[0] for k in fused._kernels] == ["blocks"]  # MX formats share one block kernel
-    assert not fused._given_up
+    assert [k.split("_")[0] for k in compiled_calls._kernels] == ["blocks"]  # MX formats share one block kernel
+    assert not compiled_calls._given_up
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """From a call's second time on (same shape, strides, dtype, options), the quantizers call their
-    compiled function directly (``fused._Direct``), with new values: the same results as the
+    compiled function directly (``compiled_calls._Direct``), with new values: the same results as the
     reference, bit for bit, in every layout, rounding to nearest and stochastically, and for the
     element, per-tensor, row-wise and 2D-tile kernels. A bf16 operand of a seen shape, or a
     transposed one, is a call of its own, not the FP32 one's function; ``through_dynamo`` makes none."""
     direct: list[str] = []
-    real, real_fast = fused._Direct.__call__, fused._Fast.__call__
-    monkeypatch.setattr(fused._Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
+    Direct = compiled_calls._Direct
+    real, real_fast = Direct.__call__, compiled_calls._Fast.__call__
+    monkeypatch.setattr(Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
     read: list[bool] = []  # a whole call's fast path (_Fast) read x in place
 
-    def fast(self: fused._Fast, x: torch.Tensor, per_call: Any) -> Any:
+    def fast(self: compiled_calls._Fast, x: torch.Tensor, per_call: Any) -> Any:
         read.append(x.as_strided(*self.three).data_ptr() == x.data_ptr())
         direct.append("fast")
         return real_fast(self, x, per_call)
 
-    monkeypatch.setattr(fused._Fast, "__call__", fast)
-    as_a_fresh_process(monkeypatch)
+    monkeypatch.setattr(compiled_calls._Fast, "__call__", fast)
+    # No direct call or kept path from earlier tests (the assertions below are over all of them); the
+    # compiled kernels stay: their first calls here go through dynamo, which is what a direct call is
+    # built from, without compiling them again (a fresh process took 19 s more here).
+    for table in ("_directs", "_fast"):
+        monkeypatch.setattr(compiled_calls, table, {})
     fmts = (BLOCK_FORMATS["mxfp8"], BLOCK_FORMATS["nvfp4"])
     calls: list[tuple[str, Callable[..., Any], torch.Tensor]] = []
     for fmt in fmts:
@@ -626,13 +634,13 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
         got, want = both(lambda fn=fn, x=x: fn(x))
         assert_same(got, want), name
         assert direct, f"{name}: the repeated call went through dynamo"
-    assert {k for k, d in fused._directs.items() if d is None} == set()
+    assert {k for k, d in compiled_calls._directs.items() if d is None} == set()
     # and each calls inductor's generated code, outside AOTAutograd's wrappers (torch 2.11 to 2.15)
-    assert {k for k, d in fused._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
+    assert {k for k, d in compiled_calls._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
     # the plain block and row-wise calls (no copy, no padding) repeat without the entry points' planning
-    assert {k[0] for k in fused._fast} == {"blocks", "axis"} and len(read) >= 2 * len(fmts) * 5 and all(read)
+    assert {k[0] for k in compiled_calls._fast} == {"blocks", "axis"} and len(read) >= 2 * len(fmts) * 5 and all(read)
     del direct[:]
-    with fused.through_dynamo():  # the benchmarks' other side: every call through torch.compile's entry
+    with compiled_calls.through_dynamo():  # the benchmarks' other side: every call through torch.compile's entry
         got, want = both(lambda: calls[0][1](calls[0][2].to(device)))
     assert_same(got, want)
     assert not direct
@@ -644,23 +652,24 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     called directly, returns what dynamo's call returned."""
     as_a_fresh_process(monkeypatch)
     fmt = BLOCK_FORMATS["mxfp8"]
-    args = (*fused._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None, None)
+    args = (*fused_kernels._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None, None)
     for cols in (96, 32, 64):  # a dynamic graph, then one for a single block, then the first again
         x = adversarial(64, cols, seed=cols)
         for _ in range(2):  # dynamo's call, then the direct one
             got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1))
             assert_same(got, want)
     x3 = x.view(64, 64, 1)
-    entry = fused._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
-    assert fused._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
+    entry = compiled_calls._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
+    assert compiled_calls._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
                           args[1].shape, "mx32", False, None, None, None]  # fmt: skip
     out = entry.kernel(x3, *args)
     (gm, fn), (gm_one, fn_one) = entry.backend.graphs
     assert entry.backend.ran == 0
-    assert fused._Direct.of(gm, fn, fused._k_blocks, "k", x3, args, out) is not None
-    assert fused._Direct.of(gm_one, fn_one, fused._k_blocks, "k", x3, args, out) is None  # not the graph that ran
+    of, body = compiled_calls._Direct.of, fused_kernels._k_blocks
+    assert of(gm, fn, body, "k", x3, args, out) is not None
+    assert of(gm_one, fn_one, body, "k", x3, args, out) is None  # not the graph that ran
     wrong = (out[0] + 1, *out[1:])
-    assert fused._Direct.of(gm, fn, fused._k_blocks, "k", x3, args, wrong) is None  # not what dynamo returned
+    assert of(gm, fn, body, "k", x3, args, wrong) is None  # not what dynamo returned
 
 
 def test_a_converted_model_trains_identically() -> None:
@@ -898,9 +907,10 @@ def call_budget_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-call-budget
             f"{1e3 * d['budget_ms'] / calls:.0f} µs a call; in the step they take {d['quantizers_in_step_ms']:.1f} ms, "
             f"{1e3 * d['quantizers_in_step_ms'] / calls:.0f} µs a call, {'within' if within else 'over'} the budget "
             f"(the step {ms[mode] / ms['fp32']:.2f}× FP32). With every call through torch.compile's entry instead "
-            f"(`fused.through_dynamo`, in the same rounds) the step costs {ms[f'{mode}, through dynamo']:.1f} ms, "
-            f"{ms[f'{mode}, through dynamo'] / ms['fp32']:.2f}× FP32. One block of 32, repeated in a loop, costs "
-            f"{floor['fused_call_us']:.1f} µs a call through `fused._call` (a direct call) against "
+            f"(`compiled_calls.through_dynamo`, in the same rounds) the step costs "
+            f"{ms[f'{mode}, through dynamo']:.1f} ms, {ms[f'{mode}, through dynamo'] / ms['fp32']:.2f}× FP32. One "
+            f"block of 32, repeated in a loop, costs {floor['fused_call_us']:.1f} µs a call through "
+            "`compiled_calls._call` (a direct call) against "
             f"{floor['compiled_fn_us']:.1f} µs through torch.compile's entry")
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
-from mptrain.numerics import fused
+from mptrain.numerics import compiled_calls
 from mptrain.numerics.plan import flop_counter
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s by compute dtype. fp32 is the CUDA-core rate
@@ -372,7 +372,7 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
         rec["bare_losses"] = b_losses
         # The emulated formats' compiled GEMM graphs so far in this process, and any given up (their
         # layers then ran per-quantizer kernels): what to look at when a formats cell is slow.
-        rec["fused_graphs"] = {"compiled": len(fused._graphs), "given_up": sorted(fused._given_up)}
+        rec["fused_graphs"] = {"compiled": len(compiled_calls._graphs), "given_up": sorted(compiled_calls._given_up)}
         rec["loss_max_rel_diff"] = _rel_diff(e_losses, b_losses)
 
         if opts.profile and opts.out is not None:

@@ -4,6 +4,9 @@
   saturation, stochastic rounding from a generator of its own);
 - ``mx``: OCP MX and NVFP4 block formats (shared scales, 1D and 2D blocks, random Hadamard);
 - ``qgemm``: quantize-dequantize around every GEMM's operands, forward and backward;
+- ``fused``: the quantizers as they run, compiled and bit-identical to the eager reference
+  (``fused_kernels``: the kernel bodies; ``compiled_calls``: calling compiled code in microseconds);
+  ``rounding_rng``: stochastic rounding's counter-based random stream;
 - ``convert``: ``precision=mx`` (which layers, in which format, and why); ``fp8``: ``precision=fp8``
   (Mellempudi et al.'s E5M2 recipe, hybrid E4M3/E5M2 with tensor or row-wise scales, torchao);
 - ``precision``: the one precision object every mode goes through; ``plan``: the per-layer

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mptrain.numerics import fused
+from mptrain.numerics import compiled_calls, fused
 from mptrain.numerics.formats import ElementFormat
 from mptrain.numerics.formats import axiswise_round as axiswise_round  # the rowwise reference, re-exported
 from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, hadamard_rotation, random_signs, rotate
@@ -106,11 +106,11 @@ class BlockQuantizer:
         )  # fmt: skip
 
     def graph_key(self) -> str:
-        """What a compiled graph of this quantizer specialises on (``fused.call_graph``)."""
+        """What a compiled graph of this quantizer specialises on (``compiled_calls.call_graph``)."""
         return f"{self.fmt.name}{'-sr' if self.stochastic_grads else ''}"
 
     def fusable(self, device: torch.device) -> bool:
-        """Whether a graph of this quantizer's calls can be compiled (``fused.call_graph``); makes
+        """Whether a graph of this quantizer's calls can be compiled (``compiled_calls.call_graph``); makes
         what the graph reads on ``device`` first."""
         if not fused.blocks_fusable(self.fmt):
             return False
@@ -317,7 +317,7 @@ def _gemms(body: Any, recipe: GemmRecipe, x: Tensor, *args: Any) -> Any:
         fusable = getattr(recipe.quantizer, "fusable", None)
         if not fused.graph_enabled(x) or fusable is None or not fusable(x.device):
             return body(x, *args)
-        return fused.call_graph(body, x, *args)
+        return compiled_calls.call_graph(body, x, *args)
 
 
 class QuantLinearFn(torch.autograd.Function):

@@ -1,0 +1,478 @@
+"""Calling compiled code for a few microseconds of host time: the fused quantizers' kernels
+(``_call``, on the bodies of ``fused_kernels``) and a Linear layer's GEMMs in one direction as one
+graph (``call_graph``, for ``qgemm`` on CUDA).
+
+A call into ``torch.compile``'d code costs tens of microseconds of host time (dynamo's frame
+evaluation and guards, AOTAutograd's runtime wrappers) around kernels of a few. From its second time
+on, a call with the same shape, strides, dtype and static options calls the compiled function
+directly (``_Direct``), and a plain block or row-wise call skips its entry point's planning as well
+(``_Fast``, which ``fused`` keeps). torch.compile has no such entry of its own, and CUDA graphs,
+which would replay the kernels, do not exist on a CPU: hence this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import re
+import types
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from mptrain.numerics.fused_kernels import _BODIES, _params
+
+log = logging.getLogger(__name__)
+
+_kernels: dict[str, tuple[Callable[..., Any], _Inductor]] = {}
+_given_up: set[str] = set()  # kernels that run the reference after a compile failure
+
+
+# Inductor's Triton code divides with div.full (approximate: NVFP4's scales came out an ulp off
+# the reference on an H200) and may flush FP32 subnormals to zero (MX's smallest scales are
+# subnormal): these options ask for eager's rounding of both (Triton options).
+_EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+
+
+class _Unfused(Exception):
+    """This call cannot run compiled (a torch.Generator, a kernel past dynamo's recompile limit)."""
+
+
+class _Inductor(torch._TorchCompileInductorWrapper):  # type: ignore[misc, name-defined]
+    """Inductor with ``options``, as ``torch.compile(options=...)`` runs it, keeping every graph it
+    compiles with its compiled function, and which of them ran last (``_Direct``)."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        super().__init__(None, options, None)
+        self.graphs: list[tuple[torch.fx.GraphModule, Callable[..., Any]]] = []
+        self.ran: int | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        fn = super().__call__(gm, example_inputs, **kwargs)
+        i = len(self.graphs)
+        self.graphs.append((gm, fn))
+
+        @functools.wraps(fn)  # keeps the calling convention's marker (_boxed_call)
+        def run(*args: Any) -> Any:
+            self.ran = i
+            return fn(*args)
+
+        return run
+
+
+def _kernel(name: str, variant: str) -> tuple[Callable[..., Any], _Inductor]:
+    """The compiled kernel ``name`` in one variant (static options, which dims are 1), built once,
+    and its backend (which holds the graphs compiled for it).
+
+    Each variant gets a code object of its own: dynamo caches compiled code per code object, so
+    variants do not share one recompile budget. Tensor dims are marked dynamic from the first call
+    (``_call``): one compiled kernel serves every shape.
+    """
+    key = f"{name}_{variant}"
+    k = _kernels.get(key)
+    if k is None:
+        body = _BODIES[name]
+        code = body.__code__.replace(co_name=f"{body.__name__}_{variant}")
+        fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
+        backend = _Inductor(_EAGER_NUMERICS)
+        k = _kernels[key] = (torch.compile(fn, fullgraph=True, backend=backend), backend)
+    return k
+
+
+class _Entry(NamedTuple):
+    kernel: Callable[..., Any]
+    key: str  # the variant's name, as _given_up holds it
+    dims: list[int]  # x's dims marked dynamic
+    backend: _Inductor
+
+
+# (name, options, x's shape, dtype and device) -> its compiled kernel: a step makes hundreds of calls
+# on a few dozen shapes, and naming the variant on every call cost a few microseconds a call.
+_entries: dict[tuple[str, str, torch.Size, torch.dtype, torch.device], _Entry] = {}
+
+
+def _call(name: str, options: str, x: Tensor, *args: Any) -> Any:
+    """Run kernel ``name`` on ``x`` and ``args``, in the variant of its static ``options`` and of
+    x's unit dims. x is detached: gradients never flow through a quantizer (the layers' autograd
+    functions own that), and requires_grad would be one more guard. Inside a graph being compiled
+    (``call_graph``), the body is traced into it. A pure kernel's call goes direct (``_Direct``) from
+    the second time its signature is seen."""
+    x = x.detach()
+    if torch.compiler.is_compiling():
+        return _BODIES[name](x, *args)
+    pure = _direct_calls and name in _PURE
+    if pure:
+        sig = _signature(name, options, x, args)
+        direct = _directs.get(sig)
+        if direct is not None:
+            return direct(x, args)
+    entry = _entries.get((name, options, x.shape, x.dtype, x.device))
+    if entry is None:
+        # x's dtype and device name the variant too: each has a recompile budget of its own.
+        where = x.device.type + ("" if x.device.index is None else str(x.device.index))
+        variant = f"{options}_{''.join('1' if s == 1 else 'x' for s in x.shape)}_{str(x.dtype)[6:]}_{where}"
+        key = f"{name}_{variant}"
+        if key in _given_up:
+            raise _Unfused
+        dims = [d for d, s in enumerate(x.shape) if s != 1]
+        kernel, backend = _kernel(name, variant)
+        entry = _entries[(name, options, x.shape, x.dtype, x.device)] = _Entry(kernel, key, dims, backend)
+    # On every call, not only a shape's first: after a torch._dynamo.reset() any call may compile.
+    torch._dynamo.maybe_mark_dynamic(x, entry.dims)
+    try:
+        return _through_dynamo(entry.kernel, entry.backend, _directs, sig if pure else None, _BODIES[name], entry.key,
+                               x, args)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        _given_up.add(entry.key)
+        for k in [k for k, e in _entries.items() if e.key == entry.key]:
+            del _entries[k]
+        for k in [k for k, d in _directs.items() if d is not None and d.key == entry.key]:
+            del _directs[k]
+        log.warning("fused quantizer %s recompiled too often (torch._dynamo.config.recompile_limit); it runs the "
+                    "eager reference from here on", entry.key)
+        raise _Unfused from None
+
+
+_direct_calls = True  # off (``through_dynamo``): every call through torch.compile's entry
+
+
+@contextlib.contextmanager
+def through_dynamo() -> Iterator[None]:
+    """No direct calls inside the block: every compiled call through torch.compile's entry, as before
+    them (the benchmarks' side of what they buy; scripts/formats_call_budget.py)."""
+    global _direct_calls
+    before, _direct_calls = _direct_calls, False
+    try:
+        yield
+    finally:
+        _direct_calls = before
+
+
+def _signature(name: str, options: str, x: Tensor, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """What a direct call is keyed by: everything dynamo's guards check that can vary (``_Direct``)."""
+    return (name, options, x.shape, x.stride(), x.dtype, x.device,
+            *(a.shape if isinstance(a, Tensor) else a for a in args))  # fmt: skip
+
+
+# Kernels that only read their arguments: their compiled functions may be called directly. The
+# in-place ones (round_, bf16_) keep dynamo's path.
+_PURE = frozenset({"round", "scaled", "axis", "blocks", "tiles", "round_all", "write_all"})
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8) if t.is_floating_point() else t
+
+
+class _Direct:
+    """A compiled kernel's code, called with the graph's inputs picked from the kernel's arguments, and
+    its outputs put back where the kernel returns them.
+
+    Why: a call through ``torch.compile`` costs ~25 us of host time on a CPU (dynamo's frame
+    evaluation and guards, marking dims dynamic, AOTAutograd's runtime wrappers) around a kernel
+    that takes ~3 us on a block of 32 rows; an MXFP8 ResNet-50/8 step makes 322 such calls. The
+    guards are what this skips, so a direct call is keyed (``_call``) by everything they check that
+    can vary between calls: x's shape, strides, dtype and device, the other tensors' shapes (the
+    format's constants, the rounding stream's, a group's index: all made by mptrain), and the
+    values of the non-tensor arguments. Built from the graph that dynamo ran for that key
+    (``_Inductor.ran``), and only where the graph's inputs can be read off the arguments (tensors
+    and ints by name, sizes and strides by symbol). It calls inductor's generated code itself where
+    AOTAutograd's wrappers around it have nothing to do (``_generated_call``), else the compiled
+    function; either is checked once, bit for bit, against the result dynamo's call returned.
+    Anything else keeps dynamo's path."""
+
+    def __init__(self, fn: Callable[..., Any], picks: list[tuple[int, int, int]], slots: list[bool] | None,
+                 key: str, consts: list[Tensor]) -> None:
+        self.fn, self.picks, self.slots, self.key, self.consts = fn, picks, slots, key, consts
+        self.boxed = False  # the calling convention: fn(list) (AOTAutograd's boxed one), or fn(*inputs)
+        self.generated = False  # fn is inductor's generated code (_generated_call)
+
+    def raw(self, x: Tensor, args: tuple[Any, ...]) -> Any:
+        """The graph's outputs, as the compiled code returns them."""
+        full = (x, *args)
+        inputs = [full[i] if what == 0 else full[i].size(d) if what == 1 else full[i].stride(d) if what == 2
+                  else self.consts[i] for i, what, d in self.picks]  # fmt: skip
+        return self.fn(inputs) if self.boxed else self.fn(*inputs)
+
+    def __call__(self, x: Tensor, args: tuple[Any, ...]) -> Any:
+        outs = self.raw(x, args)
+        if self.slots is None:
+            return outs[0]
+        it = iter(outs)
+        return tuple(next(it) if tensor else None for tensor in self.slots)
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, fn: Callable[..., Any], body: Callable[..., Any], key: str, x: Tensor,
+           args: tuple[Any, ...], out: Any) -> _Direct | None:
+        """The direct call of graph ``gm`` (compiled: ``fn``), which dynamo just ran for ``body(x, *args)``
+        and which returned ``out``; None where how to call it is not certain."""
+        names = body.__code__.co_varnames[:body.__code__.co_argcount]
+        full = (x, *args)
+        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        tensors: dict[str, int] = {}
+        ints: dict[str, int] = {}  # int arguments dynamo made dynamic (the row-wise kernel's strides)
+        consts: dict[str, Tensor] = {}  # a format's constants, read by a traced graph (call_graph)
+        for n in holders:
+            ev = n.meta.get("example_value")
+            arg = n.name[2:-1] if n.name.startswith("l_") and n.name.endswith("_") else None
+            i = names.index(arg) if arg in names else -1
+            if isinstance(ev, Tensor):
+                if i >= 0 and isinstance(full[i], Tensor):
+                    tensors[n.name] = i
+                elif (c := _constant(n.name)) is not None and (c.shape, c.dtype, c.device) == (
+                        ev.shape, ev.dtype, ev.device):  # fmt: skip
+                    consts[n.name] = c
+                else:
+                    return None
+            elif i >= 0 and type(full[i]) is int:
+                ints[n.name] = i
+        picks: list[tuple[int, int, int]] = []
+        for n in holders:
+            ev = n.meta.get("example_value")
+            if n.name in tensors or n.name in ints:
+                picks.append(((tensors | ints)[n.name], 0, 0))
+                continue
+            if n.name in consts:
+                picks.append((list(consts).index(n.name), 3, 0))
+                continue
+            if not isinstance(ev, torch.SymInt):
+                return None
+            found = [(tensors[m.name], what, d) for m in holders if m.name in tensors
+                     for what, dims in ((1, m.meta["example_value"].shape), (2, m.meta["example_value"].stride()))
+                     for d, s in enumerate(dims) if str(s) == str(ev)]  # fmt: skip
+            if not found:
+                return None
+            picks.append(found[0])
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        count = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+        if isinstance(out, Tensor):
+            slots, mine = None, [out]
+        elif isinstance(out, tuple) and all(o is None or isinstance(o, Tensor) for o in out):
+            slots, mine = [isinstance(o, Tensor) for o in out], [o for o in out if isinstance(o, Tensor)]
+        else:
+            return None
+        if len(mine) != count:
+            return None
+
+        def same(got: Any) -> bool:
+            got = [got] if isinstance(got, Tensor) else [g for g in got if isinstance(g, Tensor)]
+            return len(got) == len(mine) and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
+                and torch.equal(_bits(a), _bits(b)) for a, b in zip(got, mine, strict=True))  # fmt: skip
+
+        direct = cls(fn, picks, slots, key, list(consts.values()))
+        for direct.boxed in (False, True):
+            try:
+                got = direct(x, args)
+                break
+            except Exception:  # a wrong calling convention fails to unpack its inputs
+                pass
+        else:
+            return None
+        if not same(got):
+            return None
+        call = _generated_call(gm, fn)
+        if call is not None:
+            fast = cls(call, picks, slots, key, direct.consts)
+            fast.boxed = fast.generated = True
+            try:
+                outs = fast.raw(x, args)
+            except Exception:  # inputs the generated code does not take as the graph's: keep the function
+                return direct
+            inputs = {t.untyped_storage().data_ptr() for t in (x, *args, *fast.consts) if isinstance(t, Tensor)}
+            if (isinstance(outs, (list, tuple)) and len(outs) == count and same(fast(x, args))
+                    and not any(o.untyped_storage().data_ptr() in inputs for o in outs)):  # fmt: skip
+                return fast
+        return direct
+
+
+def _through_dynamo(kernel: Callable[..., Any], backend: _Inductor, directs: dict[Any, _Direct | None], key: Any,
+                    body: Callable[..., Any], label: str, x: Tensor, args: tuple[Any, ...]) -> Any:
+    """``kernel(x, *args)``, compiled ``body``, through torch.compile's entry; the first time ``key``
+    (None: no direct call wanted) is seen, the direct call of the graph that ran is kept in ``directs``
+    (None where it has none)."""
+    backend.ran = None
+    out = kernel(x, *args)
+    if key is not None and key not in directs and backend.ran is not None:
+        gm, fn = backend.graphs[backend.ran]
+        directs[key] = _Direct.of(gm, fn, body, label, x, args, out)
+    return out
+
+
+def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Inductor's generated ``call`` for graph ``gm``, found inside AOTAutograd's wrappers of ``fn``
+    (through their closures: no API hands it out), or None where the wrappers may have work to do:
+    parameters or buffers of ``gm`` (inputs they prepend), or not exactly one compiled graph.
+
+    Why: for a graph that mutates no input and returns fresh tensors, as the quantizers' are (the
+    caller checks the outputs), the wrappers' work is bookkeeping, and they cost ~4 us a call (a
+    dynamo-disabled frame, grad-mode and output metadata handling): 4 ms of an MXFP8 ResNet-50/8
+    step on a CPU."""
+    try:
+        from torch._inductor.output_code import CompiledFxGraph
+    except ImportError:
+        return None
+    if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
+        return None
+    found: dict[int, Any] = {}
+    seen: set[int] = set()
+    todo: list[tuple[Any, int]] = [(fn, 0)]
+    while todo and len(seen) < 2000:
+        obj, depth = todo.pop()
+        if id(obj) in seen or depth > 12:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, CompiledFxGraph):
+            found[id(obj)] = obj
+            continue
+        for cell in getattr(obj, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                todo.append((cell.cell_contents, depth + 1))
+        if getattr(obj, "__wrapped__", None) is not None:
+            todo.append((obj.__wrapped__, depth + 1))
+        if not isinstance(obj, (type, types.ModuleType, torch.fx.GraphModule)) and hasattr(obj, "__dict__"):
+            todo += [(v, depth + 1) for v in vars(obj).values() if callable(v) or isinstance(v, CompiledFxGraph)]
+    if len(found) != 1:
+        return None
+    return getattr(next(iter(found.values())), "current_callable", None)
+
+
+class _Fast:
+    """A quantizer entry point's whole call, from the second time its signature is seen (the entry
+    point, its static arguments, x's shape, strides, dtype and device): x's (A, n, B) view, the
+    generated code with every other input already in place, and the view of its output in x's
+    layout, each worked out once.
+
+    Why: around a kernel of a few microseconds, the entry points spent ~10 us more a call deciding
+    again what the signature decides (the plan, the views, the constants, the direct call's
+    inputs); a ResNet-50/8 step makes 224 to 322 such calls. Only for the plain path (x viewed in
+    place, no padding, no copy) and only where the direct call is inductor's generated code; the
+    rest keeps the full path, which builds these."""
+
+    __slots__ = ("back", "fill", "fn", "owner", "rest", "template", "three")
+
+    def __init__(self, direct: _Direct, full: tuple[Any, ...], per_call: tuple[int, ...], x3: Tensor,
+                 local: Tensor, outputs: int, owner: object) -> None:
+        self.fn = direct.fn
+        template: list[Any] = []
+        fill: list[tuple[int, int]] = []
+        for slot, (i, what, d) in enumerate(direct.picks):
+            if what == 3:
+                template.append(direct.consts[i])
+            elif i in per_call and what == 0:
+                template.append(None)
+                fill.append((slot, per_call.index(i)))
+            elif what == 0:
+                template.append(full[i])  # a format's constants, or an int: the signature pins them
+            elif what == 1 or i == 0:  # every tensor's sizes, and x's strides, are in the signature
+                template.append(full[i].size(d) if what == 1 else full[i].stride(d))
+            else:
+                raise ValueError("a stride the signature does not pin")
+        self.template, self.fill = template, fill
+        self.three = (tuple(x3.shape), x3.stride())
+        self.back = (tuple(local.shape), local.stride())
+        # the caller's outputs after the first: the generated code's output index, or None (the
+        # kernel returns None there, as MX's tensor scale)
+        tensor = direct.slots or [True]
+        self.rest = tuple(sum(tensor[:k]) if tensor[k] else None for k in range(1, outputs))
+        self.owner = owner  # the key holds its id(): kept alive, no other object can take that id
+
+    def __call__(self, x: Tensor, per_call: tuple[Any, ...]) -> tuple[Tensor | None, ...]:
+        inputs = self.template.copy()
+        values = (x.as_strided(*self.three), *per_call)
+        for slot, i in self.fill:
+            inputs[slot] = values[i]
+        outs = self.fn(inputs)
+        return outs[0].as_strided(*self.back), *(None if j is None else outs[j] for j in self.rest)
+
+
+# (entry point, static arguments, x's shape, strides, dtype, device) -> its _Fast
+_fast: dict[tuple[Any, ...], _Fast] = {}
+
+
+def _fast_key(name: str, fmt: object, dim: int, stochastic: bool, x: Tensor,
+              rot: Tensor | None = None) -> tuple[Any, ...]:
+    """A call's ``_fast`` key: the entry point, its static arguments, x's layout, dtype and device."""
+    return (name, id(fmt), dim, stochastic, None if rot is None else rot.shape, x.shape, x.stride(), x.dtype, x.device)
+
+
+def _keep_fast(key: tuple[Any, ...], name: str, options: str, x3: Tensor, args: tuple[Any, ...],
+               per_call: tuple[int, ...], local: Tensor, outputs: int, owner: object) -> None:
+    """After a plain call through ``_call`` with ``args``: its ``_Fast``, where its direct call is
+    inductor's code. ``per_call``: the positions in (x3, *args) of what changes between calls (x's
+    view, the stream's keys and counter, a rotation); ``local``: the output in x's layout."""
+    if key in _fast or not _direct_calls:
+        return
+    direct = _directs.get(_signature(name, options, x3, args))
+    if direct is None or not direct.generated:
+        return
+    with contextlib.suppress(ValueError):
+        _fast[key] = _Fast(direct, (x3, *args), per_call, x3, local, outputs, owner)
+
+
+def _constant(placeholder: str) -> Tensor | None:
+    """The format constant (``fused_kernels._elem``) a graph input of this name holds: dynamo names a
+    global's item by its path, ``..._params_<format>_<device>_<0 or 1>_``; None for any other name,
+    or two matches."""
+    found = [t for (fmt, dev), pair in _params.items() for i, t in enumerate(pair)
+             if placeholder.endswith("_params_" + re.sub(r"\W", "_", f"{fmt}_{dev}_{i}") + "_")]  # fmt: skip
+    return found[0] if len(found) == 1 else None
+
+
+# (name, options, x's shape, strides, dtype and device, the other tensors' shapes, the non-tensor
+# arguments) -> direct call, or None where it has none
+_directs: dict[tuple[Any, ...], _Direct | None] = {}
+
+
+_graphs: dict[str, tuple[Callable[..., Any], _Inductor]] = {}
+_graph_directs: dict[tuple[Any, ...], _Direct | None] = {}
+
+
+def call_graph(body: Callable[..., Any], *args: Any) -> Any:
+    """``body(*args)`` as one compiled graph, the fused quantizers traced into it: a layer's GEMMs in
+    one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
+    (flags, tuples, dtypes, which tensors are absent, a recipe's ``graph_key``) and the tensors' unit
+    dims name it, and every other dim is dynamic, so that a model's layers share a few graphs and
+    never hit dynamo's recompile limit. After a compile failure of a variant, its calls run ``body``
+    eagerly."""
+    def sig(a: Any) -> str:
+        if isinstance(a, Tensor):
+            return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
+        if hasattr(a, "graph_key"):  # a GEMM recipe
+            return a.graph_key()
+        return "-" if a is None else repr(a).replace(" ", "")
+    if torch.compiler.is_compiling():  # a user's torch.compile around the layers: traced into theirs
+        return body(*args)
+    variant = body.__name__ + "|" + ",".join(sig(a) for a in args)
+    if variant in _given_up:
+        return body(*args)
+    args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+    # as _call's direct calls: a graph's inputs are its tensors (their layouts key it) and the variant's
+    # static arguments; one that reads tensors held by an object (a rounding stream's) has none
+    key = (variant, *((a.shape, a.stride(), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
+    direct = _graph_directs.get(key) if _direct_calls else None
+    if direct is not None:
+        return direct(args[0], args[1:])
+    entry = _graphs.get(variant)
+    if entry is None:
+        code = body.__code__.replace(co_name=f"{body.__name__}_{len(_graphs)}")
+        fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
+        # no pattern passes: they fused the bias add into the GEMM (addmm), which sums in another order
+        backend = _Inductor({**_EAGER_NUMERICS, "pattern_matcher": False})
+        entry = _graphs[variant] = (torch.compile(fn, fullgraph=True, backend=backend), backend)
+    k, backend = entry
+    for a in args:
+        if isinstance(a, Tensor):
+            for d, s in enumerate(a.shape):
+                if s != 1:
+                    torch._dynamo.maybe_mark_dynamic(a, d)
+    try:
+        return _through_dynamo(k, backend, _graph_directs, key if _direct_calls else None, body, variant, args[0],
+                               args[1:])
+    except Exception as exc:  # past the recompile limit, or a graph dynamo or inductor cannot build
+        _given_up.add(variant)
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        log.warning("fused GEMM graph %s: %s; its calls run eagerly from here on", variant, reason)
+        return body(*args)

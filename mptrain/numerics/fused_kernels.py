@@ -1,0 +1,277 @@
+"""The fused quantizers' kernel bodies: the reference arithmetic of ``formats`` and ``mx`` written
+once more as plain torch code, which ``compiled_calls`` hands to torch.compile (inductor fuses each
+body into one or two passes over memory: vectorised C++ on a CPU, Triton on a GPU). ``fused`` holds
+their entry points, and its docstring says why they are written as they are; the tests hold every
+result bit-identical to the reference.
+
+The element format is an argument (``_elem``: a few constants on the device), not compiled in, so
+every format shares a handful of kernels. Nothing here runs eagerly in a training step: the
+reference is ``formats``, ``mx`` and ``fp8``, not these bodies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mptrain.numerics import formats as nf
+from mptrain.numerics import mx
+from mptrain.numerics.formats import ElementFormat
+from mptrain.numerics.rounding_rng import bits16_from_index, draw_keys, uniform_from_index
+
+_params: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+
+
+def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
+    """A format's constants as kernel arguments, made once per device (no copy per call):
+    float32 [max, 2**mbits, 2**-mbits, overflow threshold, overflow value, max's code is even]
+    and int32 ``_ints(fmt)``."""
+    key = (fmt.name, str(device))
+    found = _params.get(key)
+    if found is None:
+        threshold = fmt.max_normal + 2.0 ** (fmt.emax - fmt.mbits - 1)
+        pf = torch.tensor([fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits, threshold,
+                           math.inf if fmt.has_inf else math.nan, float(nf.max_code_is_even(fmt))],
+                          dtype=torch.float32, device=device)  # fmt: skip
+        pi = torch.tensor(_ints(fmt), dtype=torch.int32, device=device)
+        found = _params[key] = (pf, pi)
+    return found
+
+
+def _exponent(a: Tensor) -> Tensor:
+    """floor(log2(a)) for finite a > 0 from the float's exponent bits; -127 for 0 and subnormals
+    (callers clamp it far above that). The same value frexp gives, as plain integer ops."""
+    return ((a.view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def _pow2(k: Tensor) -> Tensor:
+    """2**k for an integer k in [-126, 127], straight from the exponent bits."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
+    """``formats.round_arith`` for FP32 (saturating; to nearest even, or stochastic with uniforms
+    ``u``) for a format given by its constants (``_elem``). The exponent comes from the bits, and NaN
+    needs no select: it propagates through every step (only its payload may differ)."""
+    a = xf.abs().clamp(max=pf[0])
+    if u is None:
+        # Round to nearest even by one FP32 add and subtract: with c = 2**(e + 23 - mbits), e = a's
+        # exponent (at least emin), a + c lies in c's binade, whose spacing is the format's spacing
+        # at a, so the add rounds a onto the grid, ties to even, and the subtract is exact. Half the
+        # ops of the scale-round-scale path, every step still exact.
+        c = ((a.view(torch.int32) & 0x7F800000).clamp(min=pi[2]) + pi[3]).view(torch.float32)
+        return _with_sign((a + c) - c, xf)
+    e = torch.clamp(_exponent(a), pi[0], pi[1])
+    scaled = a * _pow2(-e) * pf[1]
+    down = torch.floor(scaled)
+    r = down + (u < scaled - down).float()
+    return _with_sign(r * pf[2] * _pow2(e), xf)
+
+
+def _with_sign(m: Tensor, x: Tensor) -> Tensor:
+    """copysign(m, x) for m >= 0 (or NaN), as one OR of x's sign bit: torch.copysign compiled to a
+    call into Sleef per vector on a CPU, 11% of an MXFP8 block kernel's time. Bit for bit the same."""
+    return (m.view(torch.int32) | (x.view(torch.int32) & -(2**31))).view(torch.float32)
+
+
+def _overflow(xf: Tensor, q: Tensor, pf: Tensor, stochastic: bool) -> Tensor:
+    """``saturate=False``: what leaves the format becomes Inf (or NaN); see ``formats.overflows``."""
+    a = xf.abs()
+    over = a > pf[0] if stochastic else torch.where(pf[5] > 0, a > pf[3], a >= pf[3])
+    return torch.where(over, torch.copysign(pf[4].expand_as(xf), xf), q)
+
+
+def _uniform(n: int, device: torch.device, keys: Tensor, counter: Tensor) -> Tensor:
+    ka, kb = draw_keys(keys, counter)
+    return uniform_from_index(torch.arange(n, dtype=torch.int32, device=device), ka, kb)
+
+
+def _k_round(x: Tensor, pf: Tensor, pi: Tensor, saturate: bool, keys: Tensor | None,
+             counter: Tensor | None) -> Tensor:
+    """``formats.round_to_element`` on a flat tensor (FP32 out)."""
+    xf = x.float()
+    u = _uniform(xf.shape[0], xf.device, keys, counter) if keys is not None else None
+    q = _round(xf, pf, pi, u)
+    return q if saturate else _overflow(xf, q, pf, u is not None)
+
+
+def _k_round_(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: Tensor | None) -> None:
+    """In place, saturating: a parameter onto FP16 (FP8's FP16 master weights)."""
+    u = _uniform(x.shape[0], x.device, keys, counter) if keys is not None else None
+    x.copy_(_round(x.float(), pf, pi, u).to(x.dtype))
+
+
+def _k_round_all(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Tensor, pi: Tensor,
+                 keys: Tensor | None, first: Tensor | None) -> Tensor:
+    """``_k_round_`` on the concatenation of several flat tensors, out of place: element k belongs
+    to tensor ``which[k]``, which starts at ``starts[which[k]]`` and draws with counter
+    ``first + which[k]``, as each tensor does in its own call."""
+    u = None
+    if keys is not None:
+        ka, kb = draw_keys(keys, first + which)  # type: ignore[operator]
+        index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device) - starts[which]  # type: ignore[index]
+        u = uniform_from_index(index, ka, kb)
+    return _round(x.float(), pf, pi, u).to(x.dtype)
+
+
+def _k_write_all(m: Tensor, which: Tensor, starts: Tensor, pf: Tensor, pi: Tensor, keys: Tensor, first: Tensor,
+                 bf16: bool) -> Tensor:
+    """``_k_bf16_``, or ``_k_round`` onto FP16 (stochastic, saturating), on the concatenation of
+    several flat FP32 masters (``_k_round_all``'s layout): their bf16 / FP16 values."""
+    ka, kb = draw_keys(keys, first + which)
+    index = torch.arange(m.shape[0], dtype=torch.int32, device=m.device) - starts[which]
+    if bf16:
+        rounded = ((m.view(torch.int32) + bits16_from_index(index, ka, kb)) & -65536).view(torch.float32)
+        return torch.where(torch.isfinite(m), rounded, m).to(torch.bfloat16)
+    return _round(m, pf, pi, uniform_from_index(index, ka, kb)).to(torch.float16)
+
+
+def _k_bf16_(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
+    """``stochastic_round_to_bf16`` of flat FP32 ``m`` into bf16 ``p``: 16 random bits added below
+    bf16's mantissa, then truncated."""
+    ka, kb = draw_keys(keys, counter)
+    noise = bits16_from_index(torch.arange(m.shape[0], dtype=torch.int32, device=m.device), ka, kb)
+    rounded = ((m.view(torch.int32) + noise) & -65536).view(torch.float32)
+    p.copy_(torch.where(torch.isfinite(m), rounded, m).to(torch.bfloat16))
+
+
+def _pow2_scale(amax: Tensor, pf: Tensor, pi: Tensor) -> Tensor:
+    """2**k, the largest power of two with amax * 2**k <= max (k in [-126, 126]); 1 for a zero or
+    non-finite amax: ``fp8.tensor_scale`` and ``qgemm.axiswise_round``'s rule, from the bits."""
+    ok = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(ok, amax, 1.0)
+    k = (pi[1] - _exponent(safe)).clamp(-126, 126)  # floor(log2 max) - floor(log2 amax): k or k + 1
+    k = torch.where(safe * nf.exp2i(k) > pf[0], k - 1, k)
+    k = torch.where(safe * nf.exp2i(k + 1) <= pf[0], k + 1, k).clamp(-126, 126)
+    return torch.where(ok, nf.exp2i(k), 1.0)
+
+
+def _k_scaled(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: Tensor | None) -> Tensor:
+    """``fp8.quantize_scaled`` on a flat tensor: a per-tensor power-of-two scale, round, scale back;
+    non-finite values pass through. Returns x's dtype."""
+    xf = x.float()
+    s = _pow2_scale(xf.abs().amax(), pf, pi)
+    u = _uniform(xf.shape[0], xf.device, keys, counter) if keys is not None else None
+    q = _round(xf * s, pf, pi, u) / s
+    return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
+
+
+def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, sa: int, sn: int, sb: int, keys: Tensor | None,
+            counter: Tensor | None, last: bool = False) -> tuple[Tensor, ...]:
+    """``qgemm.axiswise_round`` along dim 1 of (A, n, B), or, ``last``, along dim 2 of (A, B, n) (a
+    copy with n innermost: ``_axiswise``). (sa, sn, sb): the caller's row-major strides along
+    (A, n, B), the order its uniforms are drawn in, whichever layout the kernel reads."""
+    xf = x3.float()
+    s = _pow2_scale(xf.abs().amax(2 if last else 1, keepdim=True), pf, pi)
+    u = None
+    if keys is not None:
+        a, m, k = xf.shape
+        dev = xf.device
+        idx = (torch.arange(a, dtype=torch.int32, device=dev).view(a, 1, 1) * sa
+               + torch.arange(m, dtype=torch.int32, device=dev).view(1, m, 1) * (sb if last else sn)
+               + torch.arange(k, dtype=torch.int32, device=dev).view(1, 1, k) * (sn if last else sb))  # fmt: skip
+        ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
+        u = uniform_from_index(idx, ka, kb)
+    q = _round(xf * s, pf, pi, u) / s
+    return torch.where(torch.isfinite(xf), q, xf), *_kept(s)
+
+
+_NV = nf.E2M1  # NVFP4's elements (its block scales are E4M3, its tensor scale FP32)
+
+
+def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+    """(multiplier onto the element grid, local scale) per block: MX's E8M0 rule (``pi[1]``: the
+    element's emax), or NVFP4's E4M3 block scale under the tensor scale."""
+    bad = ~torch.isfinite(amax)
+    if kind == "nvfp4":
+        t_scale, encode = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])  # type: ignore[arg-type]
+        e4m3, e4m3_i = _static(nf.E4M3)
+        s_block = _round((amax / _NV.max_normal / t_scale).clamp(max=nf.E4M3.max_normal), e4m3, e4m3_i, None)
+        s_block = torch.where(bad, math.nan, s_block)
+        return torch.where(s_block > 0, (encode / s_block).clamp(max=mx.FP32_MAX), 0.0), s_block
+    exps = (_exponent(amax) - pi[1]).clamp(-mx.E8M0_BIAS, mx.E8M0_BIAS)
+    return nf.exp2i(-exps), torch.where(bad, math.nan, nf.exp2i(exps))
+
+
+def _static(fmt: ElementFormat) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """A format's constants as Python numbers, folded into the kernel (NVFP4's fixed E4M3 scales)."""
+    return (fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits), _ints(fmt)
+
+
+def _ints(fmt: ElementFormat) -> tuple[int, ...]:
+    """[emin, emax, emin's FP32 exponent field, (23 - mbits) in the exponent field]: ``_round``'s."""
+    return fmt.emin, fmt.emax, (fmt.emin + 127) << 23, (23 - fmt.mbits) << 23
+
+
+def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
+    """Per-block (or per-row) scales, returned as extra outputs that callers drop: an output is
+    stored once, and the rounding loop then loads it. Otherwise inductor inlines the scale's ~25 ops
+    (exponent, clamps, 2**k with its subnormal branch, the NaN select) into every element: the MXFP8
+    block kernel took 1.45x as long on a CPU. Inside a ``call_graph`` graph they are dead code."""
+    return per_block
+
+
+def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
+              counter: Tensor | None, rot: Tensor | None = None) -> tuple[Tensor | None, ...]:
+    """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
+    multiple of the block (the caller pads), or, ``short``, N under one block: one block, its
+    zero padding left out (it changes no amax). Uniforms follow the reference's layout,
+    x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N.
+    ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory."""
+    bs = 16 if kind == "nvfp4" else 32
+    a, n, b = x3.shape
+    xf = x3.float()
+    if rot is not None:
+        k = rot.shape[1]
+        xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
+    blocks = xf.view(a, 1, n, b) if short else xf.view(a, n // bs, bs, b)
+    amax = blocks.abs().amax(2, keepdim=True)
+    t_amax = t_scale = None
+    if kind == "nvfp4":
+        t_amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax()
+        t_scale = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+    mult, local_scale = _block_scales(amax, t_amax, pi, kind)
+    u = None
+    if keys is not None:
+        dev = x3.device
+        idx = ((torch.arange(a, dtype=torch.int32, device=dev).view(a, 1, 1) * b
+                + torch.arange(b, dtype=torch.int32, device=dev).view(1, 1, b)) * (bs if short else n)
+               + torch.arange(n, dtype=torch.int32, device=dev).view(1, n, 1))  # fmt: skip
+        ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
+        u = uniform_from_index(idx.view(blocks.shape), ka, kb)
+    q = _round(blocks * mult, pf, pi, u)
+    return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if b != 1 else ())
+
+
+def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
+             counter: Tensor | None) -> tuple[Tensor | None, ...]:
+    """``quantize_blocks(..., block_2d=True)`` on (R, C), both multiples of the block (the caller
+    pads, and stacks leading dims into R). Uniforms in the reference's layout (row tiles, column
+    tiles, bs * bs)."""
+    bs = 16 if kind == "nvfp4" else 32
+    r, c = x2.shape
+    rt, ct = r // bs, c // bs
+    tiles = x2.float().view(rt, bs, ct, bs)
+    amax = tiles.abs().amax((1, 3), keepdim=True)
+    t_amax = t_scale = None
+    if kind == "nvfp4":
+        t_amax = torch.where(torch.isfinite(tiles), tiles.abs(), 0.0).amax()
+        t_scale = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+    mult, local_scale = _block_scales(amax, t_amax, pi, kind)
+    u = None
+    if keys is not None:
+        idx = torch.arange(r * c, dtype=torch.int32, device=x2.device).view(rt, ct, bs, bs).permute(0, 2, 1, 3)
+        ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
+        u = uniform_from_index(idx, ka, kb)
+    q = _round(tiles * mult, pf, pi, u)
+    return (q * local_scale).view(r, c), t_scale, *_kept(mult, local_scale)
+
+
+_BODIES: dict[str, Callable[..., Any]] = {
+    "round": _k_round, "round_": _k_round_, "round_all": _k_round_all, "write_all": _k_write_all,
+    "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
+}  # fmt: skip
