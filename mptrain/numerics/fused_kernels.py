@@ -224,6 +224,10 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory."""
     bs = 16 if kind == "nvfp4" else 32
     a, n, b = x3.shape
+    if not short:
+        # What the caller guarantees, told to the compiler: without it a (A, N/bs, bs, B) view back
+        # to (A, N, B) is not provably a view, and inductor copied the output once more.
+        torch._check(n % bs == 0)
     xf = x3.float()
     if rot is not None:
         k = rot.shape[1]
@@ -254,6 +258,8 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
     tiles, bs * bs)."""
     bs = 16 if kind == "nvfp4" else 32
     r, c = x2.shape
+    torch._check(r % bs == 0)  # as in _k_blocks: the caller pads, and the compiler should know
+    torch._check(c % bs == 0)
     rt, ct = r // bs, c // bs
     tiles = x2.float().view(rt, bs, ct, bs)
     amax = tiles.abs().amax((1, 3), keepdim=True)
