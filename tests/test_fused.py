@@ -748,7 +748,7 @@ FORMAT_TARGETS = {
 
 
 # The formats benchmark the notes quote (docs/benchmarks/README.md, README.md).
-FORMATS_BENCH = "docs/benchmarks/cpu-2026-11-27-fused-formats-6.json"
+FORMATS_BENCH = "docs/benchmarks/cpu-2026-11-27-fused-formats-7.json"
 
 
 def formats_benchmark_rows(path: str = FORMATS_BENCH) -> list[str]:
@@ -779,41 +779,48 @@ def test_the_formats_benchmark_in_prose_is_its_data() -> None:
     calls = [r["gap"]["quantizer_calls"] for r in data["rows"] if r["model"] == "resnet50/8"]
     calls = [c for c in calls if c]  # fp32 makes none, the eager references are not split
     assert f"make {min(calls)} to {max(calls)} quantizer calls per step" in " ".join(text.split())
-    # the machine's state between the fifth run and this one, from both files
-    before = json.loads((root / "docs/benchmarks/cpu-2026-11-26-fused-formats-5.json").read_text())
+    # the machine's state between the sixth run and this one, from both files
+    before = json.loads((root / "docs/benchmarks/cpu-2026-11-27-fused-formats-6.json").read_text())
     fp32 = [{r["model"]: r["step_ms_cpu"] for r in d["rows"] if r["mode"] == "fp32"} for d in (data, before)]
     assert (f"FP32 at batch 128: {fp32[0]['mlp 4x1024 b128']:.1f} against {fp32[1]['mlp 4x1024 b128']:.1f} ms a step; "
             f"ResNet-50/8's FP32 step {fp32[0]['resnet50/8']:.1f} against {fp32[1]['resnet50/8']:.1f} ms") in " ".join(
                 text.split())
     assert fourth_runs_sentence() in " ".join(text.split())
-    assert sixth_run_repeat_sentence() in " ".join(text.split())
+    assert repeat_sentence() in " ".join(text.split())
     for phrase in resnet_verdict_phrases():
         assert phrase in " ".join(text.split()), phrase
-    # the fifth run, before the rotation inside the kernel and the kept call paths
-    r5 = {r["mode"]: r["vs_fp32_cpu"] for r in before["rows"] if r["model"] == "resnet50/8" and r["mode"] != "fp32"}
-    fused5 = [v for m, v in r5.items() if "(" not in m]
-    assert (f"modes cost {min(fused5):.2f}× to {max(fused5):.2f}× FP32, over 2× in row-wise FP8 "
-            f"({r5['fp8 hybrid rowwise']:.2f}×) and NVFP4 ({r5['nvfp4']:.2f}×)") in " ".join(text.split())
-    r6 = {r["mode"]: r["vs_fp32_cpu"] for r in data["rows"] if r["model"] == "resnet50/8"}
+    # the fifth and sixth runs, before the changes the notes name since each
+    r5, r6 = ({r["mode"]: r["vs_fp32_cpu"] for r in json.loads((root / f"docs/benchmarks/{name}.json").read_text())[
+        "rows"] if r["model"] == "resnet50/8" and r["mode"] != "fp32"}
+        for name in ("cpu-2026-11-26-fused-formats-5", "cpu-2026-11-27-fused-formats-6"))  # fmt: skip
+    for n, run in (("fifth", r5), ("sixth", r6)):
+        fused_modes = [v for m, v in run.items() if "(" not in m]
+        assert (f"The {n}, `-{5 if n == 'fifth' else 6}`, came before {'' if n == 'sixth' else 'the '}"
+                in " ".join(text.split())), n
+        assert (f"modes cost {min(fused_modes):.2f}× to {max(fused_modes):.2f}× FP32, over 2× in row-wise FP8 "
+                f"({run['fp8 hybrid rowwise']:.2f}×) and NVFP4 ({run['nvfp4']:.2f}×)") in " ".join(text.split()), n
     eager = "nvfp4 (eager reference)"
-    assert f"{r6[eager]:.2f}× FP32 here, {r5[eager]:.2f}× in the fifth run" in " ".join(text.split())
+    assert f"{r6[eager]:.2f}× FP32 in the sixth run, {r5[eager]:.2f}× in the fifth" in " ".join(text.split())
     q = {r["mode"]: r["gap"]["quantizers_ms"] for r in data["rows"] if r["model"] == "resnet50/8" and r.get("gap")}
+    q6 = {r["mode"]: r["gap"]["quantizers_ms"] for r in before["rows"] if r["model"] == "resnet50/8" and r.get("gap")}
+    assert (f"NVFP4's quantizers take {q['nvfp4']:.1f} ms of the step here against {q6['nvfp4']:.1f} ms in the sixth "
+            f"run, MXFP8's {q['mxfp8']:.1f} ms against {q6['mxfp8']:.1f} ms") in " ".join(text.split())
     assert f"(its quantizers: {q['nvfp4']:.1f} ms of the step here, MXFP8's {q['mxfp8']:.1f} ms)" in " ".join(
         text.split())
 
 
-def sixth_runs() -> list[dict[str, float]]:
-    """ResNet-50/8's step time against FP32 by mode, in the sixth run and in its repeat."""
+def quoted_runs() -> list[dict[str, float]]:
+    """ResNet-50/8's step time against FP32 by mode, in the quoted run and in its repeat."""
     root = Path(__file__).resolve().parents[1]
-    return [{r["mode"]: r["vs_fp32_cpu"] for r in json.loads((root / f"docs/benchmarks/cpu-2026-11-27-fused-formats-6"
-                                                                      f"{s}.json").read_text())["rows"]
+    return [{r["mode"]: r["vs_fp32_cpu"] for r in json.loads((root / FORMATS_BENCH.replace(".json", f"{s}.json"))
+                                                             .read_text())["rows"]
              if r["model"] == "resnet50/8"} for s in ("", "-resnet-repeat")]  # fmt: skip
 
 
 def resnet_verdict_phrases() -> list[str]:
-    """What the notes' ResNet-50/8 bullet says of the sixth run and its repeat, from both files: a
+    """What the notes' ResNet-50/8 bullet says of the quoted run and its repeat, from both files: a
     mode meets 2x where it does in both."""
-    runs = sixth_runs()
+    runs = quoted_runs()
     modes = [m for (model, m) in FORMAT_TARGETS if model == "resnet50/8"]
     met = [m for m in modes if max(runs[0][m], runs[1][m]) <= 2.0]
     assert set(met) == {"fp8 hybrid", "fp8 hybrid tensor", "mxfp8", "mxfp6", "mxfp4"}  # the modes the bullet names
@@ -825,17 +832,20 @@ def resnet_verdict_phrases() -> list[str]:
             f"{max(mx[1]):.2f}× in the repeat)",
             f"Row-wise FP8 ({runs[0][row]:.2f}× here, {runs[1][row]:.2f}× in the repeat) and NVFP4 "
             f"({runs[0][nv]:.2f}×, {runs[1][nv]:.2f}×) do not"]
+    # and "both over 2x in both runs, by at most 0.06"
+    assert min(runs[0][row], runs[1][row], runs[0][nv], runs[1][nv]) > 2.0
+    assert max(runs[0][row], runs[1][row], runs[0][nv], runs[1][nv]) <= 2.06 + 1e-9
 
 
-def sixth_run_repeat_sentence() -> str:
-    """The sixth run's ResNet-50/8 cells against their repeat, from both files."""
+def repeat_sentence() -> str:
+    """The quoted run's ResNet-50/8 cells against their repeat, from both files."""
     root = Path(__file__).resolve().parents[1]
-    repeat = json.loads((root / "docs/benchmarks/cpu-2026-11-27-fused-formats-6-resnet-repeat.json").read_text())
+    repeat = json.loads((root / FORMATS_BENCH.replace(".json", "-resnet-repeat.json")).read_text())
     assert "--rounds 15" in repeat["info"]["command"]
-    ratios = [{m: v for m, v in run.items() if "(" not in m and m != "fp32"} for run in sixth_runs()]
+    ratios = [{m: v for m, v in run.items() if "(" not in m and m != "fp32"} for run in quoted_runs()]
     apart = max(abs(ratios[0][m] - ratios[1][m]) for m in ratios[0])
     over = sorted(m for m in ratios[0] if max(ratios[0][m], ratios[1][m]) > 2.0)
-    return (f"A ResNet-only repeat right after, with 15 rounds instead of 5 (`-6-resnet-repeat`), gave every "
+    return (f"A ResNet-only repeat right after, with 15 rounds instead of 5 (`-7-resnet-repeat`), gave every "
             f"emulated mode within {apart:.2f} of this run's ratio; over 2× in either: {', '.join(over)}")
 
 
