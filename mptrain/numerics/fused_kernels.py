@@ -183,6 +183,14 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, sa: int, sn: int, sb: int, keys:
 _NV = nf.E2M1  # NVFP4's elements (its block scales are E4M3, its tensor scale FP32)
 
 
+def _tensor_scale(x: Tensor, kind: str) -> tuple[Tensor | None, Tensor | None]:
+    """NVFP4's (amax of the finite elements, decode scale) for the whole tensor; (None, None) for MX."""
+    if kind != "nvfp4":
+        return None, None
+    t_amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
+    return t_amax, mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+
+
 def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) -> tuple[Tensor, Tensor]:
     """(multiplier onto the element grid, local scale) per block: MX's E8M0 rule (``pi[1]``: the
     element's emax), or NVFP4's E4M3 block scale under the tensor scale."""
@@ -234,10 +242,7 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
         xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
     blocks = xf.view(a, 1, n, b) if short else xf.view(a, n // bs, bs, b)
     amax = blocks.abs().amax(2, keepdim=True)
-    t_amax = t_scale = None
-    if kind == "nvfp4":
-        t_amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax()
-        t_scale = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+    t_amax, t_scale = _tensor_scale(blocks, kind)
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
     u = None
     if keys is not None:
@@ -263,10 +268,7 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
     rt, ct = r // bs, c // bs
     tiles = x2.float().view(rt, bs, ct, bs)
     amax = tiles.abs().amax((1, 3), keepdim=True)
-    t_amax = t_scale = None
-    if kind == "nvfp4":
-        t_amax = torch.where(torch.isfinite(tiles), tiles.abs(), 0.0).amax()
-        t_scale = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+    t_amax, t_scale = _tensor_scale(tiles, kind)
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
     u = None
     if keys is not None:
