@@ -317,9 +317,11 @@ def assert_rounded_as_the_reference(params: list[torch.Tensor], stochastic: bool
 def test_fp16_master_rounding_of_a_parameter_list(group: int, alone: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Small parameters in one kernel (or a few, each up to ``fused._GROUP`` elements), large ones
     (``fused._ALONE``) each in a call of its own, rounded and drawn as the reference rounds each in
-    turn: one draw per tensor, the empty one included."""
+    turn: one draw per tensor, the empty one included. The split groups build their element index
+    each call, as groups past ``fused._KEEP_WHICH`` elements do; one group keeps it."""
     monkeypatch.setattr(fused, "_GROUP", group)
     monkeypatch.setattr(fused, "_ALONE", alone)
+    monkeypatch.setattr(fused, "_KEEP_WHICH", 2**20 if group > 4000 else 0)
     g = torch.Generator().manual_seed(13)
     params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-9, 5, (), generator=g).item()
               for s in ((64, 32), (32,), (0,), (3, 5, 7), (40, 60), (9,))]  # fmt: skip

@@ -559,16 +559,32 @@ def _group_index(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
     return counts, (torch.cumsum(counts, 0) - counts).to(torch.int32)
 
 
+def _which(counts: Tensor, n: int) -> Tensor:
+    """Which tensor of a group each of its ``n`` elements belongs to (int32)."""
+    # output_size: no read-back of the counts' sum (a host sync on a GPU)
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int32, device=counts.device), counts,
+                                   output_size=n)
+
+
+# Groups up to this many elements keep their ``_which`` (4 MiB at most each, 64 groups): a small
+# model's parameters are one group, and building the index every step was a fifth of its rounding.
+_KEEP_WHICH = 2**20
+
+
+@functools.lru_cache(maxsize=64)
+def _group_which(sizes: tuple[int, ...], device: torch.device) -> Tensor:
+    return _which(_group_index(sizes, device)[0], sum(sizes))
+
+
 def _concat(tensors: list[Tensor], draws: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The tensors' concatenation, and for stochastic rounding which tensor each element belongs to
     and where each tensor starts (``_k_round_all``)."""
     flat = torch.cat([t.view(-1) for t in tensors])
     if not draws or not flat.numel():
         return flat, None, None
-    counts, starts = _group_index(tuple(t.numel() for t in tensors), flat.device)
-    # output_size: no read-back of the counts' sum (a host sync on a GPU)
-    which = torch.repeat_interleave(torch.arange(len(tensors), dtype=torch.int32, device=flat.device), counts,
-                                    output_size=flat.numel())
+    sizes = tuple(t.numel() for t in tensors)
+    counts, starts = _group_index(sizes, flat.device)
+    which = _group_which(sizes, flat.device) if flat.numel() <= _KEEP_WHICH else _which(counts, flat.numel())
     torch._dynamo.maybe_mark_dynamic(which, 0)  # one kernel for every group and model, as _call's x
     torch._dynamo.maybe_mark_dynamic(starts, 0)
     return flat, which, starts
