@@ -142,6 +142,12 @@ def _fast_for(key: tuple[Any, ...]) -> _Fast | None:
     return compiled_calls._fast.get(key)
 
 
+def _may_keep(stochastic: bool, generator: Any) -> bool:
+    """Whether a call may take or keep a kept path (``_Fast``): its draws, if any, come from a
+    ``RoundingStream`` (without one, a stream is made per call; a torch.Generator cannot enter a kernel)."""
+    return not stochastic or type(generator) is RoundingStream
+
+
 def _stream_args(generator: Any, stochastic: bool) -> tuple[Tensor | None, Tensor | None]:
     """A stream's (keys, counter) as a kernel call's signature sees them, taking no draw."""
     return (generator.keys, generator.counter) if stochastic else (None, None)
@@ -312,7 +318,7 @@ def axiswise_round(x: Tensor, fmt: ElementFormat, dim: int, *, stochastic: bool 
 
 
 def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generator: Any) -> Tensor:
-    if not stochastic or type(generator) is RoundingStream:
+    if _may_keep(stochastic, generator):
         fast = _fast_for(_fast_key("axis", fmt, dim, stochastic, x))
         if fast is not None:
             return fast(x, _stream(x, stochastic, generator))[0]  # type: ignore[return-value]
@@ -330,7 +336,7 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
         except _Unfused:
             pass
         else:
-            if in_place and not narrow and (not stochastic or type(generator) is RoundingStream):
+            if in_place and not narrow and _may_keep(stochastic, generator):
                 args = (*_elem(fmt, x.device), *strides, *_stream_args(generator, stochastic))
                 _keep_fast(_fast_key("axis", fmt, dim, stochastic, x), "axis", _opts(stochastic, False), x3, args,
                            (0, 6, 7), out, 1, fmt)  # fmt: skip
@@ -361,7 +367,7 @@ def quantize_blocks(
     """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros.
     ``rotation`` (``mx.hadamard_rotation``): x is rotated along ``dim`` first, in FP32, as
     ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's."""
-    if not block_2d and (stochastic is False or type(generator) is RoundingStream):
+    if not block_2d and _may_keep(stochastic, generator):
         fast = _fast_for(_fast_key("blocks", fmt, dim, stochastic, x, rotation))
         if fast is not None:
             return fast(x, (*_stream(x, stochastic, generator), rotation))  # type: ignore[return-value]
@@ -430,7 +436,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
         y = x.movedim(dim, -1).contiguous()
         fast = _fast_for(_fast_key("blocks", fmt, -1, stochastic, y, rot))
-        if fast is not None and (not stochastic or type(generator) is RoundingStream):
+        if fast is not None and _may_keep(stochastic, generator):
             local, t_scale = fast(y, (*_stream(y, stochastic, generator), rot))
         else:
             local, t_scale = _blocks(y, fmt, -1, stochastic, generator, False, rot)
@@ -444,8 +450,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     args = (pf, pi, kind, plan.short, keys, counter, rot)
     local, t_scale = _call("blocks", options, x3, *args)[:2]
     local = _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout)
-    if not (plan.copy or plan.pad or torch.compiler.is_compiling()) and (not stochastic or type(generator) is
-                                                                         RoundingStream):  # fmt: skip
+    if not (plan.copy or plan.pad or torch.compiler.is_compiling()) and _may_keep(stochastic, generator):
         _keep_fast(_fast_key("blocks", fmt, dim, stochastic, x, rot), "blocks", options, x3, args, (0, 5, 6, 7), local,
                    2, fmt)
     return local, t_scale
