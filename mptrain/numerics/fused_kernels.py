@@ -85,6 +85,11 @@ def _overflow(xf: Tensor, q: Tensor, pf: Tensor, stochastic: bool) -> Tensor:
     return torch.where(over, torch.copysign(pf[4].expand_as(xf), xf), q)
 
 
+def _arange(n: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """0..n-1 (int32, on like's device) laid along the one dim of ``shape`` that is not 1."""
+    return torch.arange(n, dtype=torch.int32, device=like.device).view(shape)
+
+
 def _uniform(n: int, device: torch.device, keys: Tensor, counter: Tensor) -> Tensor:
     ka, kb = draw_keys(keys, counter)
     return uniform_from_index(torch.arange(n, dtype=torch.int32, device=device), ka, kb)
@@ -246,12 +251,14 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
     u = None
     if keys is not None:
-        dev = x3.device
-        idx = ((torch.arange(a, dtype=torch.int32, device=dev).view(a, 1, 1) * b
-                + torch.arange(b, dtype=torch.int32, device=dev).view(1, 1, b)) * (bs if short else n)
-               + torch.arange(n, dtype=torch.int32, device=dev).view(1, n, 1))  # fmt: skip
+        # Built in the blocks' own shape, with the block's length a constant: a view of an (A, N, B)
+        # index is not provably a view under dynamic shapes, and inductor stored the first half of
+        # the hash in a buffer of its own, read back by the rounding loop.
+        nb, k = (1, n) if short else (n // bs, bs)
+        idx = ((_arange(a, (a, 1, 1, 1), x3) * b + _arange(b, (1, 1, 1, b), x3)) * (bs if short else n)
+               + _arange(nb, (1, nb, 1, 1), x3) * k + _arange(k, (1, 1, k, 1), x3))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
-        u = uniform_from_index(idx.view(blocks.shape), ka, kb)
+        u = uniform_from_index(idx, ka, kb)
     q = _round(blocks * mult, pf, pi, u)
     return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if b != 1 else ())
 
