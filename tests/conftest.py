@@ -24,6 +24,21 @@ from mptrain.numerics import rounding_rng
 
 register_configs()
 
+# Under pytest-xdist (README's test command runs two workers), the workers share the CPUs: each
+# takes its share of torch's threads (OpenMP threads spinning on an oversubscribed core slow
+# everyone), as do the processes the tests start, and each compiles in its own process rather than
+# starting a pool of compile workers.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    import torch
+    import torch._inductor.config
+
+    _share = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    torch.set_num_threads(_share)
+    torch._inductor.config.compile_threads = 1
+
 # Tiny but real: the torchvision architectures at 1/8 width, small images, few steps.
 TINY = [
     "data.batch_size=4",

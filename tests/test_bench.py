@@ -569,3 +569,33 @@ def test_the_fourth_gpu_run_in_prose_is_its_data():
             f"time, with profiles that show the step paced by the host: bf16 products bring an mxfp8 step's kernels "
             f"down to {ms(prof['mxfp8_bf16']['kernels'])} against bf16's {ms(1e3 * fmt['amp_bf16']['step_time_s'])} "
             "step") in readme
+
+
+def test_the_suite_timings_in_prose_are_their_logs() -> None:
+    """README's and the notes' suite timings on the AVX2-only CPU, from the runs' own logs; README's
+    test command is the one CI runs."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+
+    def wall(name: str) -> tuple[str, float]:
+        last = (bench_dir / f"cpu-2026-11-27-avx2-suite-{name}.log").read_text().strip().splitlines()[-1]
+        found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
+        assert found, last
+        return found[1], float(found[2])
+
+    def said(seconds: float) -> str:
+        return f"{int(seconds) // 60} min {int(seconds) % 60} s"
+
+    runs = {n: wall(n) for n in ("min-torch-1-process-cold", "min-torch-2-workers-cold", "min-torch-2-workers-warm",
+                                 "latest-torch-2-workers-cold")}  # fmt: skip
+    assert {result for result, _ in runs.values()} == {"992 passed, 103 skipped"}
+    one, cold, warm, latest = (said(s) for _, s in runs.values())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"on torch 2.11, {one} in one process with inductor's cache cold, {cold} on two workers cold, {warm} on "
+            f"two workers warm; on torch 2.15, {latest} on two workers cold") in readme
+    notes = " ".join((bench_dir / "cpu-2026-11-27-avx2-suite.md").read_text().split())
+    for text in (one, cold, warm, latest):
+        assert f"| {text} | 992 passed, 103 skipped |" in notes
+    cut = 1 - runs["min-torch-2-workers-cold"][1] / runs["min-torch-1-process-cold"][1]
+    assert f"Two workers took {round(100 * cut)}% off the cold 2.11 run" in notes
+    command = re.search(r"\n {4}(python -m pytest[^\n]*)\n", (ROOT / "README.md").read_text())
+    assert command and command[1] + " --junitxml" in (ROOT / ".ci" / "run").read_text()
