@@ -175,10 +175,8 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, sa: int, sn: int, sb: int, keys:
     u = None
     if keys is not None:
         a, m, k = xf.shape
-        dev = xf.device
-        idx = (torch.arange(a, dtype=torch.int32, device=dev).view(a, 1, 1) * sa
-               + torch.arange(m, dtype=torch.int32, device=dev).view(1, m, 1) * (sb if last else sn)
-               + torch.arange(k, dtype=torch.int32, device=dev).view(1, 1, k) * (sn if last else sb))  # fmt: skip
+        idx = (_arange(a, (a, 1, 1), xf) * sa + _arange(m, (1, m, 1), xf) * (sb if last else sn)
+               + _arange(k, (1, 1, k), xf) * (sn if last else sb))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
         u = uniform_from_index(idx, ka, kb)
     q = _round(xf * s, pf, pi, u) / s
