@@ -81,7 +81,9 @@ fi
 
 # pytest: README's addopts has -q, so no -q here (two make -qq, which hides "N passed, M failed");
 # -v lists each test as it starts and ends, so the ones a limit cut can be named.
-PYTEST=(python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 120 -rfE)
+# --timeout 300 a test: beside each other, 8 CPU workers and the CUDA lane compiling their first
+# kernels at once took over 120 s for a test in each lane (2026-11-27, in sympy: compile time, not a hang).
+PYTEST=(python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 300 -rfE)
 
 run_tests() {
   local cuda_log="$OUT_DIR/$NAME-cuda-tests.log" cpu_log="$OUT_DIR/$NAME-cpu-suite.log" limit
@@ -117,9 +119,7 @@ EOF
   timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --durations=25 $files tests/test_cuda.py \
       >"$cuda_log" 2>&1 &
   local cuda_pid=$!
-  # --timeout 300 here: beside the CUDA tests, 8 workers compiling their first kernels at once took
-  # over 120 s for two test_fused.py tests (2026-11-27, in sympy: compile time, not a hang).
-  OMP_NUM_THREADS=1 timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" --timeout 300 -m "not cuda" -n 8 \
+  OMP_NUM_THREADS=1 timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m "not cuda" -n 8 \
       >"$cpu_log" 2>&1 &
   local cpu_pid=$!
   wait $cuda_pid; RESULT[cuda_tests]=$?

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,17 +160,26 @@ def test_profile_writes_both_runners_tables(tmp_path, device):
 
 
 def test_kernel_time_counts_each_kernel_once():
-    """A profile's rows hold an op (aten::mm, a CPU event that carries its kernels' device time) and
-    the kernel itself (a CUDA event): the time a step is the kernels' alone."""
+    """A GPU profile's rows hold an op (aten::mm, a CPU event), its kernel (a CUDA event) and a
+    record_function range, which has a row on the device's timeline (a user annotation) spanning its
+    kernels: the time a step is the kernels' alone, the total torch's own table prints under it."""
     from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
 
     from mptrain.bench.harness import device_ms_per_step
 
-    rows = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=3000.0),  # aten::mm
-            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=3000.0),  # its GEMM kernel
-            SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=1000.0),  # an elementwise kernel
-            SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=0.0)]  # cudaLaunchKernel
-    assert device_ms_per_step(rows, steps=2) == 2.0
+    def event(i: int, name: str, start: int, end: int, device: DeviceType, annotation: bool = False):
+        return FunctionEvent(id=i, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             use_device="cuda", is_user_annotation=annotation, stack=[])
+
+    events = EventList([event(0, "aten::mm", 0, 3000, DeviceType.CPU), event(1, "gemm", 0, 3000, DeviceType.CUDA),
+                        event(2, "elementwise", 3000, 4000, DeviceType.CUDA),
+                        event(3, "## forward ##", 0, 4000, DeviceType.CUDA, annotation=True)], use_device="cuda")
+    events._build_tree()
+    table = events.key_averages()
+    total = re.search(r"Self CUDA time total: ([\d.]+)ms", table.table(sort_by="self_device_time_total"))
+    assert total is not None and float(total[1]) == 4.0  # the two kernels
+    assert device_ms_per_step(table, steps=2) == 2.0
 
 
 def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
@@ -569,6 +577,92 @@ def test_the_fourth_gpu_run_in_prose_is_its_data():
             f"time, with profiles that show the step paced by the host: bf16 products bring an mxfp8 step's kernels "
             f"down to {ms(prof['mxfp8_bf16']['kernels'])} against bf16's {ms(1e3 * fmt['amp_bf16']['step_time_s'])} "
             "step") in readme
+
+
+def test_the_fifth_gpu_run_in_prose_is_its_data():
+    """docs/benchmarks/README.md's and README.md's figures of the second H100 run of 2026-11-27
+    (``-run2``), from its tables, its profiles (torch's device totals) and its logs."""
+    bench_dir = ROOT / "docs/benchmarks"
+    run = "h100-2026-11-27-run2"
+
+    def cells(name: str) -> dict[str, dict]:
+        data = json.loads((bench_dir / f"{run}-{name}.json").read_text())
+        assert data["meta"]["device_name"] == "NVIDIA H100 80GB HBM3"
+        return {c["precision"]: c for c in data["cells"]}
+
+    r50, fp8, fmt = cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats")
+    main_job = json.loads((bench_dir / f"{run}-main-job.json").read_text())
+    x = "{:.2f}×".format
+
+    def slower(p: str) -> str:
+        return x(1 / fmt[p]["speedup_vs_bf16"])
+
+    def millis(value: str, unit: str) -> float:
+        return float(value) / (1e3 if unit == "us" else 1)
+
+    kernels, mm = {}, {}  # a step's: torch's device total over the 2 profiled steps, and aten::mm's self device time
+    for part in (bench_dir / f"{run}-formats-profiles.txt").read_text().split("##### ")[1:]:
+        cell = part.split("\n")[0].removeprefix("profile-transformer-lm-").removesuffix("-b32-base.txt")
+        cell = cell.replace("-", "_")
+        engine = part.split("=== bare:")[0]
+        kernels[cell] = millis(*re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", engine).groups()) / 2
+        m = re.search(r"^\s+aten::mm\s+[\d.]+%\s+\S+\s+[\d.]+%\s+\S+\s+\S+\s+([\d.]+)(ms|us)", engine, re.M)
+        mm[cell] = millis(m[1], m[2]) / 2
+    assert set(kernels) == set(fmt)
+    rest = {p: kernels[p] - mm[p] for p in kernels}
+    mixed, h200 = r50["amp_fp16"], [h200_run(p)[0]["amp_fp16"]["throughput"] for p in ("h200-2026-11-26",
+                                                                                       "h200-2026-11-26-run2")]
+    windows = [1e3 * w for w in fmt["amp_bf16"]["step_time_windows_s"]]
+    quotes = [
+        f"| ResNet-50 mixed (amp_fp16) ≥ 3000 img/s | {mixed['throughput']:,.0f} img/s | yes |",
+        f"| mixed ≥ 3× fp32 (TF32 off) | {x(mixed['speedup_vs_fp32'])} | yes |",
+        f"| mixed ≥ 2× tf32 | {x(mixed['speedup_vs_tf32'])} | no |",
+        f"| peak memory ≤ 0.6× fp32 | {x(mixed['memory_vs_fp32'])} | yes |",
+        f"| engine/bare ≤ 1.02 | {mixed['overhead']:.3f}× amp_fp16, {r50['amp_bf16']['overhead']:.3f}× amp_bf16 "
+        "| yes |",
+        f"| {slower('mxfp8')} and {slower('nvfp4')} (FP32 products); {slower('mxfp8_bf16')} and "
+        f"{slower('nvfp4_bf16')} (bf16 products) | no |",
+        f"gave {h200[0]:,.0f} and {h200[1]:,.0f} img/s for the same cell",
+        f"Its two windows took {windows[0]:.1f} and {windows[1]:.1f} ms (a {100 * fmt['amp_bf16']['spread']:.0f}% "
+        f"spread), so its {1e3 * fmt['amp_bf16']['step_time_s']:.1f} ms median",
+        *(f"| {p} | {1e3 * fmt[p]['step_time_s']:.1f} ms | {kernels[p]:.1f} ms |" for p in fmt),
+        f"({kernels['nvfp4']:.1f} to {kernels['nvfp4_bf16']:.1f} ms)",
+        f"drop from {mm['nvfp4']:.1f} to {mm['nvfp4_bf16']:.1f} ms, against mxfp8's {mm['mxfp8']:.1f} to "
+        f"{mm['mxfp8_bf16']:.1f} ms",
+        f"take {rest['nvfp4']:.0f} to {rest['nvfp4_bf16']:.0f} ms a step, against mxfp8's {rest['mxfp8']:.0f} to "
+        f"{rest['mxfp8_bf16']:.0f} ms",
+        f"final loss {main_job['final_loss']:.2f}, {main_job['throughput']:,.0f} img/s, peak memory "
+        f"{main_job['peak_memory_bytes'] / 2**20:,.0f} MiB",
+        f"{main_job['steps']} steps, {main_job['skipped_steps']} skipped at the start",
+    ]
+    # the claims behind the words
+    assert main_job["status"] == "completed"
+    assert mixed["throughput"] >= 3000 and mixed["speedup_vs_fp32"] >= 3 > 2 > mixed["speedup_vs_tf32"]
+    assert mixed["memory_vs_fp32"] <= 0.6 and all(abs(c["overhead"] - 1) < 0.01 for c in r50.values())
+    assert all(mixed["throughput"] < t for t in h200)  # "the slower card"
+    assert all(1 / fmt[p]["speedup_vs_bf16"] > 1.3 for p in fmt if p != "amp_bf16")  # "no"
+    assert list(fp8) == ["amp_bf16"]  # "the limit cut the FP8 cells after bf16's"
+    assert kernels["mxfp8_bf16"] < 1e3 * fmt["amp_bf16"]["step_time_s"]  # "under bf16's whole step"
+    assert 3.5 < mm["nvfp4_bf16"] / mm["mxfp8_bf16"] < 4.5  # "four times"
+    text = " ".join((bench_dir / "README.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in text]
+    assert not missing, missing
+    log = (bench_dir / f"{run}-gpu-check-tests.log").read_text()
+    assert "3 failed, 64 passed" in log and "964 passed, 2 skipped" in log and "63 cut by the limit" in log
+    matrix = re.findall(r"(?:NOT RUN|CUT MID-TEST) tests/test_cuda.py::test_every_precision_and_policy_trains", log)
+    assert len(matrix) == 31
+    cuda_log = (bench_dir / f"{run}-cuda-tests.log").read_text()
+    assert re.findall(r"^FAILED (\S+)", cuda_log, re.M) == [
+        "tests/test_bench.py::test_profile_writes_both_runners_tables[cuda]",
+        "tests/test_fused.py::test_blocks_on_cuda_in_every_layout[nvfp4-cuda]",
+        "tests/test_fused.py::test_quantized_gemms_on_cuda_match_the_reference[nvfp4-cuda]"]
+    assert "fused differs from the reference in 403 values" in cuda_log and "assert 2.03 == 1.445" in cuda_log
+    assert "Failed: Timeout (>120.0s)" in cuda_log
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"mixed (amp_fp16) {mixed['throughput']:,.0f} img/s, {x(mixed['speedup_vs_fp32'])} fp32 and "
+            f"{x(mixed['speedup_vs_tf32'])} tf32, at {x(mixed['memory_vs_fp32'])} fp32's peak memory; the emulated "
+            f"formats {slower('mxfp8')} (mxfp8) and {slower('nvfp4')} (nvfp4) bf16's step time, against a bf16 cell "
+            f"whose windows spread {100 * fmt['amp_bf16']['spread']:.0f}%") in readme
 
 
 def test_the_suite_timings_in_prose_are_their_logs() -> None:

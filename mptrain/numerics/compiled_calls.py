@@ -31,10 +31,16 @@ _kernels: dict[str, tuple[Callable[..., Any], _Inductor]] = {}
 _given_up: set[str] = set()  # kernels that run the reference after a compile failure
 
 
-# Inductor's Triton code divides with div.full (approximate: NVFP4's scales came out an ulp off
-# the reference on an H200) and may flush FP32 subnormals to zero (MX's smallest scales are
-# subnormal): these options ask for eager's rounding of both (Triton options).
-_EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True}
+# Eager's rounding in inductor's Triton code, which otherwise divides with div.full (approximate:
+# NVFP4's scales came out an ulp off the reference on an H200), may flush FP32 subnormals to zero
+# (MX's smallest scales are subnormal), and lets the compiler contract a multiply and an add into
+# one FMA, rounded once where eager rounds twice (emulate_precision_casts turns Triton's
+# enable_fp_fusion off). NVFP4's y = mm * tensor scales + bias is such a pair; it differed from
+# eager in 403 of 1,480 outputs on an H100 with only the first two options (2026-11-27, not yet
+# rerun with the third). The three are torch 2.15's numerics="strict_pointwise", named one by one
+# for torch 2.11, which lacks that switch.
+_EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.disable_ftz": True,
+                   "emulate_precision_casts": True}
 
 
 class _Unfused(Exception):
