@@ -417,28 +417,30 @@ def rowwise_recipe() -> GemmRecipe:
     return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2, True, RngStreams(2)))
 
 
-# "graph": the layer's GEMMs as one compiled graph per direction (qgemm._gemms; the default on CUDA
-# only, turned on here for the CPU), "per call": a fused kernel per quantizer (the CPU default).
-PATHS = {"per call": (), "graph": ("cpu",)}
+def rowwise_bf16_recipe() -> GemmRecipe:
+    """Row-wise FP8 to nearest with bf16 products: the graph tests' recipe (row-wise graphs are the
+    quickest to compile, and one recipe compiles them once for both tests). To nearest: a graph that
+    reads a rounding stream's tensors (stochastic rounding) has no direct call."""
+    return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2), compute_dtype=torch.bfloat16)
 
 
-# The graph path compiles two graphs a case (tens of seconds on a cold cache, the suite's largest
-# cost): one case, which covers SR, the Hadamard transform, 2D tiles, per-tensor scales and bf16
-# products, and whose graphs the test after it reuses. (tests/test_fused.py's CUDA cases run MXFP8's.)
-LINEAR_CASES = [("nvfp4", "per call"), ("mxfp4", "per call"), ("mxfp8", "per call"), ("mxfp8 bf16", "per call"),
-                ("nvfp4 bf16", "graph")]
+# These run a fused kernel per quantizer (the CPU default). The graph path (qgemm._gemms: a layer's
+# GEMMs as one compiled graph per direction, the default on CUDA only, turned on for the CPU by
+# fused.graphs("cpu")) compiles two graphs a recipe, tens of seconds on a cold cache, the suite's
+# largest cost; so its bit-identity is checked in the tests that compile its graphs anyway: NVFP4
+# with bf16 products (SR, the Hadamard transform, 2D tiles, per-tensor scales) in
+# test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly, and row-wise FP8 to nearest
+# with bf16 products (rowwise_bf16_recipe) in the two tests after it. The CUDA cases run MXFP8's too.
+LINEAR_CASES = ["nvfp4", "mxfp4", "mxfp8", "mxfp8 bf16"]
 
 
-@pytest.mark.parametrize("name,path", LINEAR_CASES)
-def test_quantized_linear_with_the_full_recipe(name: str, path: str) -> None:
-    with fused.graphs(*PATHS[path]):
-        assert_same(*both(lambda: linear_step(full_recipe(name))))
+@pytest.mark.parametrize("name", LINEAR_CASES)
+def test_quantized_linear_with_the_full_recipe(name: str) -> None:
+    assert_same(*both(lambda: linear_step(full_recipe(name))))
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_rowwise_fp8_linear(path: str) -> None:
-    with fused.graphs(*PATHS[path]):
-        assert_same(*both(lambda: linear_step(rowwise_recipe)))
+def test_rowwise_fp8_linear() -> None:
+    assert_same(*both(lambda: linear_step(rowwise_recipe)))
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
@@ -451,13 +453,17 @@ def test_quantized_conv2d_with_the_full_recipe(name: str, channels_last: bool) -
 
 
 def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a graph device a Linear layer makes one compiled call per direction (none given up); a
-    graph that cannot be built costs its variant the graph, not the result."""
+    """On a graph device a Linear layer makes one compiled call per direction (none given up), with
+    the reference's results bit for bit (NVFP4's whole recipe, bf16 products); a graph that cannot
+    be built costs its variant the graph, not the result."""
     calls: list[str] = []
     real = compiled_calls.call_graph
     monkeypatch.setattr(compiled_calls, "call_graph", lambda body, *a: calls.append(body.__name__) or real(body, *a))
     with fused.graphs("cpu"):
-        linear_step(full_recipe("nvfp4 bf16"))
+        got = linear_step(full_recipe("nvfp4 bf16"))
+    with fused.reference():
+        want = linear_step(full_recipe("nvfp4 bf16"))
+    assert_same(got, want)
     assert calls == ["_linear_fwd", "_linear_bwd"]
     mine = [k for k in compiled_calls._graphs if ":rht:2d" in k and k.split("|")[1].startswith("Txx")]
     assert sorted(k.split("|")[0] for k in mine) == ["_linear_bwd", "_linear_fwd"]
@@ -472,8 +478,6 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     monkeypatch.setattr(compiled_calls, "_given_up", set())
     with fused.graphs("cpu"):
         got = linear_step(full_recipe("nvfp4 bf16"))
-    with fused.reference():
-        want = linear_step(full_recipe("nvfp4 bf16"))
     assert_same(got, want)
     assert compiled_calls._given_up == set(mine)
 
@@ -481,22 +485,18 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Linear layer's graphs, as the quantizers' kernels, are called without dynamo from their second
-    call on (row-wise FP8 to nearest, the quickest graphs to compile): the same results as the
-    reference. (On CUDA, the graphs' default device, this is the path of every Linear layer.)"""
+    call on: the reference's results both times (row-wise FP8 to nearest, bf16 products).
+    (On CUDA, the graphs' default device, this is the path of every Linear layer.)"""
     direct: list[str] = []
     Direct = compiled_calls._Direct
     real = Direct.__call__
     monkeypatch.setattr(Direct, "__call__", lambda self, x, args: direct.append(self.key) or real(self, x, args))
-
-    def recipe() -> GemmRecipe:
-        return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2))
-
-    with fused.graphs(device):
-        linear_step(recipe, device)
-        del direct[:]
-        got = linear_step(recipe, device)
     with fused.reference():
-        want = linear_step(recipe, device)
+        want = linear_step(rowwise_bf16_recipe, device)
+    with fused.graphs(device):
+        assert_same(linear_step(rowwise_bf16_recipe, device), want)  # compiled, through dynamo
+        del direct[:]
+        got = linear_step(rowwise_bf16_recipe, device)
     assert_same(got, want)
     assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
     assert all(d.generated for d in compiled_calls._graph_directs.values() if d is not None)
@@ -506,15 +506,11 @@ def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.Mo
     """The bf16 operands a Linear's graph gives its GEMMs are laid out as the eager path lays them out.
     Inductor once wrote wgrad's bf16 copy of x transposed (a cast is laid out row-major in its
     logical shape; ``qgemm._cast``), against the order its kernel reads x in, and handed the GEMM
-    another layout than eager does, which a GPU's GEMM may sum in another order. Row-wise FP8 (the
-    quickest graphs to compile) in bf16, and no Hadamard transform, whose products leave wgrad's
-    operands row-major anyway."""
+    another layout than eager does, which a GPU's GEMM may sum in another order. Row-wise FP8 with
+    bf16 products, and no Hadamard transform, whose products leave wgrad's operands row-major anyway."""
     from torch._inductor.select_algorithm import extern_kernels
 
-    def recipe() -> GemmRecipe:
-        return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2, True, RngStreams(2)),
-                          compute_dtype=torch.bfloat16)
-
+    recipe = rowwise_bf16_recipe
     def record(into: list[tuple], mm: Callable[..., Any]) -> Callable[..., Any]:
         def call(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if a.dtype == torch.bfloat16:
