@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -682,6 +683,7 @@ def test_the_suite_timings_in_prose_are_their_logs() -> None:
     runs = {n: wall(n) for n in ("min-torch-1-process-cold", "min-torch-2-workers-cold", "min-torch-2-workers-warm",
                                  "latest-torch-2-workers-cold")}  # fmt: skip
     assert {result for result, _ in runs.values()} == {"992 passed, 103 skipped"}
+    later, later_wall = wall("latest-torch-2-workers-cold-55feba8")
     one, cold, warm, latest = (said(s) for _, s in runs.values())
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"on torch 2.11, {one} in one process with inductor's cache cold, {cold} on two workers cold, {warm} on "
@@ -691,5 +693,32 @@ def test_the_suite_timings_in_prose_are_their_logs() -> None:
         assert f"| {text} | 992 passed, 103 skipped |" in notes
     cut = 1 - runs["min-torch-2-workers-cold"][1] / runs["min-torch-1-process-cold"][1]
     assert f"Two workers took {round(100 * cut)}% off the cold 2.11 run" in notes
+    # where the time goes: the compile-time run's own records
+    assert f"| {said(later_wall)} | {later} |" in notes
+    data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile.json").read_text())
+    assert data["meta"]["wall_s"] == later_wall and data["meta"]["counts"] == later
+    workers = data["workers"].values()
+    tests = [t for w in workers for t in w["tests"]]
+    total, compiled = sum(t[1] for t in tests), sum(t[2] for t in tests if t[2] > 0)  # < 0: a dynamo reset
+    fused = sum(t[2] for t in tests if t[2] > 0 and t[0].startswith("tests/test_fused.py"))
+    codes = [{g[1] for g in w["graphs"]} for w in workers]
+    graphs = [g for w in workers for g in w["graphs"]]
+    again = Counter(g[0].split("::")[1].split("[")[0] for w in workers
+                    for i, g in enumerate(w["graphs"]) if g[1] in {h[1] for h in w["graphs"][:i]})
+    backend = sum(g[2] for g in graphs)
+    quotes = [
+        f"The two workers spent {total:,.0f} s in tests, {compiled:,.0f} s of it ({100 * compiled / total:.0f}%) in "
+        f"torch.compile, almost all in `tests/test_fused.py` ({fused:,.0f} s). The other {total - compiled:,.0f} s "
+        f"alone would take {said((total - compiled) / 2)} on two workers.",
+        f"Inductor compiled {len(graphs)} graphs with {len(set.union(*codes))} distinct FX codes",
+        f"{len(set.intersection(*codes))} codes on both workers, and {sum(again.values())} compiles of a code the "
+        f"same worker had compiled before, {again['test_repeated_calls_skip_dynamo_and_match_the_reference']} of "
+        f"them in `test_repeated_calls_skip_dynamo_and_match_the_reference` and "
+        f"{again['test_runs_through_the_engine_match_the_reference_and_report_compile_time']} in",
+        f"AOTAutograd and inductor took {backend:,.0f} s of the compile time",
+    ]
+    missing = [q for q in quotes if " ".join(q.split()) not in notes]
+    assert not missing, missing
+    assert total - 1200 > compiled / 2 - 30  # "about half the compile work gone" to reach 2 x 600 s
     command = re.search(r"\n {4}(python -m pytest[^\n]*)\n", (ROOT / "README.md").read_text())
     assert command and command[1] + " --junitxml" in (ROOT / ".ci" / "run").read_text()
