@@ -293,6 +293,19 @@ def h200_run(prefix: str) -> tuple[dict[str, dict], dict[str, dict], dict[str, d
     return cells("resnet50"), cells("transformer-fp8"), cells("transformer-formats"), main_job
 
 
+def resnet50_target_rows(r50: dict[str, dict]) -> list[str]:
+    """A GPU run's table rows for the ResNet-50 targets (issue 25), from its ResNet-50 cells."""
+    mixed, x = r50["amp_fp16"], "{:.2f}×".format
+    return [
+        f"| ResNet-50 mixed (amp_fp16) ≥ 3000 img/s | {mixed['throughput']:,.0f} img/s | yes |",
+        f"| mixed ≥ 3× fp32 (TF32 off) | {x(mixed['speedup_vs_fp32'])} | yes |",
+        f"| mixed ≥ 2× tf32 | {x(mixed['speedup_vs_tf32'])} | no |",
+        f"| peak memory ≤ 0.6× fp32 | {x(mixed['memory_vs_fp32'])} | yes |",
+        f"| engine/bare ≤ 1.02 | {mixed['overhead']:.3f}× amp_fp16, {r50['amp_bf16']['overhead']:.3f}× amp_bf16 "
+        "| yes |",
+    ]
+
+
 def test_the_h200_figures_in_prose_are_the_runs():
     """docs/benchmarks/README.md and README.md quote the first GPU run: every figure from its files."""
     bench_dir = ROOT / "docs/benchmarks"
@@ -360,12 +373,7 @@ def test_the_second_h200_run_in_prose_is_its_data():
         return f"{1e3 * fmt[p]['step_time_s']:.1f} ms"
 
     quotes = [
-        f"| ResNet-50 mixed (amp_fp16) ≥ 3000 img/s | {mixed['throughput']:,.0f} img/s | yes |",
-        f"| mixed ≥ 3× fp32 (TF32 off) | {x(mixed['speedup_vs_fp32'])} | yes |",
-        f"| mixed ≥ 2× tf32 | {x(mixed['speedup_vs_tf32'])} | no |",
-        f"| peak memory ≤ 0.6× fp32 | {x(mixed['memory_vs_fp32'])} | yes |",
-        f"| engine/bare ≤ 1.02 | {mixed['overhead']:.3f}× amp_fp16, {r50['amp_bf16']['overhead']:.3f}× amp_bf16 "
-        "| yes |",
+        *resnet50_target_rows(r50),
         f"| {x(fp8['fp8_torchao']['speedup_vs_bf16'])} tensorwise, {x(fp8['fp8_torchao_rowwise']['speedup_vs_bf16'])} "
         "rowwise | tensorwise |",
         f"| {slower('mxfp8')} and {slower('nvfp4')} (FP32 products); {slower('mxfp8_bf16')} and "
@@ -615,12 +623,7 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
                                                                                        "h200-2026-11-26-run2")]
     windows = [1e3 * w for w in fmt["amp_bf16"]["step_time_windows_s"]]
     quotes = [
-        f"| ResNet-50 mixed (amp_fp16) ≥ 3000 img/s | {mixed['throughput']:,.0f} img/s | yes |",
-        f"| mixed ≥ 3× fp32 (TF32 off) | {x(mixed['speedup_vs_fp32'])} | yes |",
-        f"| mixed ≥ 2× tf32 | {x(mixed['speedup_vs_tf32'])} | no |",
-        f"| peak memory ≤ 0.6× fp32 | {x(mixed['memory_vs_fp32'])} | yes |",
-        f"| engine/bare ≤ 1.02 | {mixed['overhead']:.3f}× amp_fp16, {r50['amp_bf16']['overhead']:.3f}× amp_bf16 "
-        "| yes |",
+        *resnet50_target_rows(r50),
         f"| {slower('mxfp8')} and {slower('nvfp4')} (FP32 products); {slower('mxfp8_bf16')} and "
         f"{slower('nvfp4_bf16')} (bf16 products) | no |",
         f"gave {h200[0]:,.0f} and {h200[1]:,.0f} img/s for the same cell",
