@@ -469,6 +469,24 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     assert sorted(k.split("|")[0] for k in mine) == ["_linear_bwd", "_linear_fwd"]
     assert not set(mine) & compiled_calls._given_up
 
+    # Steps with one recipe: each draws new numbers from its stream, whose counter the backward graph
+    # advances in place; called directly (both directions, dynamo skipped), every step draws what
+    # the reference draws.
+    direct: list[str] = []
+    real_direct = compiled_calls._Direct.__call__
+    monkeypatch.setattr(compiled_calls._Direct, "__call__",
+                        lambda self, x, args: direct.append(self.key) or real_direct(self, x, args))
+    fast, slow = full_recipe("nvfp4 bf16")(), full_recipe("nvfp4 bf16")()
+    for _ in range(3):
+        del direct[:]
+        with fused.graphs("cpu"):
+            got = linear_step(lambda: fast)
+        with fused.reference():
+            assert_same(got, linear_step(lambda: slow))
+        assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
+    cpu = torch.device("cpu")
+    assert int(fast.stream_tensors(cpu)["counter"]) == int(slow.stream_tensors(cpu)["counter"]) > 0
+
     def broken(*args: Any) -> Any:
         raise RuntimeError("no compiler")
 

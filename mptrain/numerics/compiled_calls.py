@@ -184,12 +184,14 @@ class _Direct:
     format's constants, the rounding stream's, a group's index: all made by mptrain), and the
     values of the non-tensor arguments. Built from the graph that dynamo ran for that key
     (``_Inductor.ran``), and only where the graph's inputs can be read off the arguments (tensors
-    and ints by name, sizes and strides by symbol). It calls inductor's generated code itself where
+    and ints by name, sizes and strides by symbol, a GEMM recipe's rounding stream by its
+    ``stream_tensors``: a call replays from the stream's state before dynamo's call and must
+    advance it as that call did). It calls inductor's generated code itself where
     AOTAutograd's wrappers around it have nothing to do (``_generated_call``), else the compiled
     function; either is checked once, bit for bit, against the result dynamo's call returned.
     Anything else keeps dynamo's path."""
 
-    def __init__(self, fn: Callable[..., Any], picks: list[tuple[int, int, int]], slots: list[bool] | None,
+    def __init__(self, fn: Callable[..., Any], picks: list[tuple[int, int, Any]], slots: list[bool] | None,
                  key: str, consts: list[Tensor]) -> None:
         self.fn, self.picks, self.slots, self.key, self.consts = fn, picks, slots, key, consts
         self.boxed = False  # the calling convention: fn(list) (AOTAutograd's boxed one), or fn(*inputs)
@@ -199,7 +201,8 @@ class _Direct:
         """The graph's outputs, as the compiled code returns them."""
         full = (x, *args)
         inputs = [full[i] if what == 0 else full[i].size(d) if what == 1 else full[i].stride(d) if what == 2
-                  else self.consts[i] for i, what, d in self.picks]  # fmt: skip
+                  else self.consts[i] if what == 3 else full[i].stream_tensors(x.device)[d]
+                  for i, what, d in self.picks]  # fmt: skip
         return self.fn(inputs) if self.boxed else self.fn(*inputs)
 
     def __call__(self, x: Tensor, args: tuple[Any, ...]) -> Any:
@@ -211,15 +214,29 @@ class _Direct:
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, fn: Callable[..., Any], body: Callable[..., Any], key: str, x: Tensor,
-           args: tuple[Any, ...], out: Any) -> _Direct | None:
+           args: tuple[Any, ...], out: Any, before: list[Tensor] | None = None) -> _Direct | None:
         """The direct call of graph ``gm`` (compiled: ``fn``), which dynamo just ran for ``body(x, *args)``
-        and which returned ``out``; None where how to call it is not certain."""
+        and which returned ``out``; None where how to call it is not certain. ``before``: the rounding
+        streams' tensors (``_stream_state``) as they were before that call."""
+        state = _stream_state(x, args)
+        after = [t.clone() for t in state]
+        try:
+            return cls._of(gm, fn, body, key, x, args, out, state, before, after)
+        finally:  # each check replays the call: the streams end where dynamo's call left them
+            for t, a in zip(state, after, strict=True):
+                t.copy_(a)
+
+    @classmethod
+    def _of(cls, gm: torch.fx.GraphModule, fn: Callable[..., Any], body: Callable[..., Any], key: str, x: Tensor,
+            args: tuple[Any, ...], out: Any, state: list[Tensor], before: list[Tensor] | None,
+            after: list[Tensor]) -> _Direct | None:
         names = body.__code__.co_varnames[:body.__code__.co_argcount]
         full = (x, *args)
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         tensors: dict[str, int] = {}
         ints: dict[str, int] = {}  # int arguments dynamo made dynamic (the row-wise kernel's strides)
         consts: dict[str, Tensor] = {}  # a format's constants, read by a traced graph (call_graph)
+        streams: dict[str, tuple[int, str]] = {}  # a rounding stream's tensors, read off an argument (a recipe)
         for n in holders:
             ev = n.meta.get("example_value")
             arg = n.name[2:-1] if n.name.startswith("l_") and n.name.endswith("_") else None
@@ -230,6 +247,8 @@ class _Direct:
                 elif (c := _constant(n.name)) is not None and (c.shape, c.dtype, c.device) == (
                         ev.shape, ev.dtype, ev.device):  # fmt: skip
                     consts[n.name] = c
+                elif (found := _stream_input(n.name, ev, names, full)) is not None and before is not None:
+                    streams[n.name] = found
                 else:
                     return None
             elif i >= 0 and type(full[i]) is int:
@@ -242,6 +261,9 @@ class _Direct:
                 continue
             if n.name in consts:
                 picks.append((list(consts).index(n.name), 3, 0))
+                continue
+            if n.name in streams:
+                picks.append((streams[n.name][0], 4, streams[n.name][1]))
                 continue
             if not isinstance(ev, torch.SymInt):
                 return None
@@ -268,10 +290,20 @@ class _Direct:
                 a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
                 and torch.equal(_bits(a), _bits(b)) for a, b in zip(got, mine, strict=True))  # fmt: skip
 
+        def replay(call: Callable[[], Any]) -> Any:
+            """``call()`` from the streams' state before dynamo's call; it must leave them as that call did
+            (the counter advanced in place: a direct call that forgot to would draw the same numbers again)."""
+            for t, b in zip(state, before or [], strict=True):
+                t.copy_(b)
+            got = call()
+            if not all(torch.equal(t, a) for t, a in zip(state, after, strict=True)):
+                raise _Unfused("the direct call left the rounding streams elsewhere")
+            return got
+
         direct = cls(fn, picks, slots, key, list(consts.values()))
         for direct.boxed in (False, True):
             try:
-                got = direct(x, args)
+                got = replay(lambda: direct(x, args))
                 break
             except Exception:  # a wrong calling convention fails to unpack its inputs
                 pass
@@ -284,11 +316,12 @@ class _Direct:
             fast = cls(call, picks, slots, key, direct.consts)
             fast.boxed = fast.generated = True
             try:
-                outs = fast.raw(x, args)
-            except Exception:  # inputs the generated code does not take as the graph's: keep the function
-                return direct
-            inputs = {t.untyped_storage().data_ptr() for t in (x, *args, *fast.consts) if isinstance(t, Tensor)}
-            if (isinstance(outs, (list, tuple)) and len(outs) == count and same(fast(x, args))
+                outs = replay(lambda: fast.raw(x, args))
+                again = replay(lambda: fast(x, args))
+            except Exception:  # inputs the generated code does not take as the graph's, or a mutation it
+                return direct  # leaves to AOTAutograd's wrappers: keep the function
+            inputs = {t.untyped_storage().data_ptr() for t in (x, *args, *fast.consts, *state) if isinstance(t, Tensor)}
+            if (isinstance(outs, (list, tuple)) and len(outs) == count and same(again)
                     and not any(o.untyped_storage().data_ptr() in inputs for o in outs)):  # fmt: skip
                 return fast
         return direct
@@ -300,11 +333,34 @@ def _through_dynamo(kernel: Callable[..., Any], backend: _Inductor, directs: dic
     (None: no direct call wanted) is seen, the direct call of the graph that ran is kept in ``directs``
     (None where it has none)."""
     backend.ran = None
+    first = key is not None and key not in directs
+    before = [t.clone() for t in _stream_state(x, args)] if first else None
     out = kernel(x, *args)
-    if key is not None and key not in directs and backend.ran is not None:
+    if first and backend.ran is not None:
         gm, fn = backend.graphs[backend.ran]
-        directs[key] = _Direct.of(gm, fn, body, label, x, args, out)
+        directs[key] = _Direct.of(gm, fn, body, label, x, args, out, before)
     return out
+
+
+def _stream_state(x: Tensor, args: tuple[Any, ...]) -> list[Tensor]:
+    """The rounding streams' tensors a call's arguments hold (a GEMM recipe's ``stream_tensors``): the
+    keys, and the counter a stochastic-rounding graph advances in place."""
+    return [t for a in args if hasattr(a, "stream_tensors") for t in a.stream_tensors(x.device).values()]
+
+
+def _stream_input(placeholder: str, example: Tensor, names: tuple[str, ...], full: tuple[Any, ...]
+                  ) -> tuple[int, str] | None:
+    """(argument index, name) of the rounding-stream tensor a graph input of this name holds: dynamo
+    names an attribute it reads by its path, ``l_<argument>_..._<name>``, the name one of the
+    argument's ``stream_tensors``; None for any other input, or where the tensors do not match."""
+    for i, arg in enumerate(names):
+        if not placeholder.startswith(f"l_{arg}_") or not hasattr(full[i], "stream_tensors"):
+            continue
+        for name, t in full[i].stream_tensors(full[0].device).items():
+            if placeholder.endswith(f"_{name}") and (t.shape, t.dtype, t.device) == (
+                    example.shape, example.dtype, example.device):  # fmt: skip
+                return i, name
+    return None
 
 
 def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callable[..., Any] | None:
@@ -312,8 +368,9 @@ def _generated_call(gm: torch.fx.GraphModule, fn: Callable[..., Any]) -> Callabl
     (through their closures: no API hands it out), or None where the wrappers may have work to do:
     parameters or buffers of ``gm`` (inputs they prepend), or not exactly one compiled graph.
 
-    Why: for a graph that mutates no input and returns fresh tensors, as the quantizers' are (the
-    caller checks the outputs), the wrappers' work is bookkeeping, and they cost ~4 us a call (a
+    Why: for a graph that returns fresh tensors and mutates no input, as the quantizers' are, or only
+    a rounding stream's counter, which inductor's code advances itself (the caller checks the outputs
+    and the counter), the wrappers' work is bookkeeping, and they cost ~4 us a call (a
     dynamo-disabled frame, grad-mode and output metadata handling): 4 ms of an MXFP8 ResNet-50/8
     step on a CPU."""
     try:
@@ -456,7 +513,8 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         return body(*args)
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
     # as _call's direct calls: a graph's inputs are its tensors (their layouts key it) and the variant's
-    # static arguments; one that reads tensors held by an object (a rounding stream's) has none
+    # static arguments; a rounding stream's tensors, which a graph reads off the recipe, are read off
+    # the recipe it is given (``GemmRecipe.stream_tensors``)
     key = (variant, *((a.shape, a.stride(), a.dtype, a.device) for a in args if isinstance(a, Tensor)))
     direct = _graph_directs.get(key) if _direct_calls else None
     if direct is not None:

@@ -170,6 +170,16 @@ class GemmRecipe:
         return (f"{self.quantizer.graph_key()}:{str(self.compute_dtype)[6:]}:{'rht' if self._signs else ''}:"
                 f"{'2d' if self.weight_2d else ''}")
 
+    def stream_tensors(self, device: torch.device) -> dict[str, Tensor]:
+        """The rounding stream a compiled graph of this recipe reads on ``device`` (stochastic rounding of
+        gradients), by name; none without it. A graph's direct call (``compiled_calls._Direct``) reads
+        them off the recipe it is given, as dynamo's guarded call would."""
+        q = self.quantizer
+        if not getattr(q, "stochastic_grads", False) or getattr(q, "rng", None) is None:
+            return {}
+        stream = q.rng.get(device)
+        return {"keys": stream.keys, "counter": stream.counter}
+
     def rotation(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         return hadamard_rotation(self._signs, device, dtype)  # type: ignore[arg-type]
 
