@@ -82,7 +82,8 @@ fi
 # pytest: README's addopts has -q, so no -q here (two make -qq, which hides "N passed, M failed");
 # -v lists each test as it starts and ends, so the ones a limit cut can be named.
 # --timeout 300 a test: beside each other, 8 CPU workers and the CUDA lane compiling their first
-# kernels at once took over 120 s for a test in each lane (2026-11-27, in sympy: compile time, not a hang).
+# kernels at once took over 120 s for tests in both lanes (2026-11-27; the CPU lane's two were in sympy:
+# compile time, not a hang).
 PYTEST=(python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 300 -rfE)
 
 run_tests() {

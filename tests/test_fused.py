@@ -418,9 +418,9 @@ def rowwise_recipe() -> GemmRecipe:
 
 
 def rowwise_bf16_recipe() -> GemmRecipe:
-    """Row-wise FP8 to nearest with bf16 products: the graph tests' recipe (row-wise graphs are the
-    quickest to compile, and one recipe compiles them once for both tests). To nearest: a graph that
-    reads a rounding stream's tensors (stochastic rounding) has no direct call."""
+    """Row-wise FP8 to nearest with bf16 products: the row-wise graph tests' recipe (row-wise graphs
+    to nearest are the quickest to compile, and one recipe compiles them once for both tests; the
+    stochastic-rounding graphs are NVFP4's)."""
     return GemmRecipe(quantizer=AxiswiseQuantizer(nf.E4M3, nf.E5M2), compute_dtype=torch.bfloat16)
 
 
@@ -529,6 +529,7 @@ def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.Mo
     from torch._inductor.select_algorithm import extern_kernels
 
     recipe = rowwise_bf16_recipe
+
     def record(into: list[tuple], mm: Callable[..., Any]) -> Callable[..., Any]:
         def call(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if a.dtype == torch.bfloat16:
