@@ -39,6 +39,40 @@ if _workers > 1:
     torch.set_num_threads(_share)
     torch._inductor.config.compile_threads = 1
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist's worksteal (README's command), each worker starts on a contiguous share of the
+    collection and the others steal from its tail. The fused quantizers' tests compile graphs that
+    only the process which traced them can call again (dynamo's work is per process, and inductor's
+    disk cache serves another worker only once a graph is written), so a family of kernels split
+    across two workers is compiled twice: 38 of 70 graph codes were, in a cold two-worker run
+    (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Each family (``@pytest.mark.kernels``) goes to
+    the head of a share of its own, where stealing, which takes the tail, leaves it; the other tests
+    keep their order. Reordering only: no test depends on another's order. (Workers collect, and see
+    their count in the environment: xdist resets their -n and --dist options.)"""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    families: dict[str, list[pytest.Item]] = {}
+    rest: list[pytest.Item] = []
+    for item in items:
+        mark = item.get_closest_marker("kernels")
+        (families.setdefault(mark.args[0], []) if mark else rest).append(item)
+    if not families:  # a run of other tests only
+        return
+    # The scheduler's first split: worker k gets len(pending) // (workers - k) of what is left.
+    starts, left = [0], len(items)
+    for k in range(workers - 1):
+        left -= left // (workers - k)
+        starts.append(len(items) - left)
+    ordered: list[pytest.Item] = []
+    for k, family in enumerate(sorted(families.values(), key=len, reverse=True)):
+        start = starts[min(k, workers - 1)]
+        take = max(0, start - len(ordered))
+        ordered += rest[:take] + family
+        del rest[:take]
+    items[:] = ordered + rest
+
+
 # Tiny but real: the torchvision architectures at 1/8 width, small images, few steps.
 TINY = [
     "data.batch_size=4",

@@ -59,21 +59,31 @@ def hooked_env(tmp_path: Path) -> tuple[dict[str, str], Path]:
 
 
 def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+    """Two gloo ranks of batch 8 train what one process trains with batch 16, with adaptive loss
+    scaling on (per-layer scales from each rank's own gradients, reduced to one per layer). On these
+    digits both ranks' scales come out alike, so this curve stays on the reference even with the
+    reduction removed (tried, 2026-11-27, here and in the separate test this one absorbed, which ran
+    a torchrun and its twin of its own, ~35 s of the suite); the reduction itself is held by
+    test_adaptive_agreement_takes_the_minimum_over_ranks."""
     ddp, single = tmp_path / "ddp", tmp_path / "single"
     hook_env, writes = hooked_env(tmp_path)
+    # init_scale=1: the per-layer scales do the lifting (with auto the output scale takes accum_cap).
+    common = [*DIGITS, "loss_scale=adaptive", "loss_scale.init_scale=1"]
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
-         *DIGITS, "data.batch_size=8", f"hydra.run.dir={ddp}"],
+         *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
         capture_output=True, text=True, env=hook_env, timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-m", "mptrain", *DIGITS, "data.batch_size=16", f"hydra.run.dir={single}"],
+    r = subprocess.run([sys.executable, "-m", "mptrain", *common, "data.batch_size=16", f"hydra.run.dir={single}"],
                        capture_output=True, text=True, env=env(), timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
 
     s_ddp = json.loads((ddp / "summary.json").read_text())
     s_one = json.loads((single / "summary.json").read_text())
     assert s_ddp["world_size"] == 2 and s_ddp["global_batch_size"] == 16 and s_one["global_batch_size"] == 16
+    state = s_ddp["loss_scale_state"]["model"]
+    assert state["policy"] == "adaptive" and state["layer_scale_max"] > 1  # scales really applied
     a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4, 5]
     for (_, x), (_, y) in zip(a, b, strict=True):
@@ -112,28 +122,6 @@ def test_each_rank_restores_its_own_rng_streams_on_fewer_or_more_ranks():
     mine = torch.get_rng_state()
     assert not checkpoint.set_rng_state(saved[:1], rank=1, device=cpu)  # more ranks than saved
     assert torch.equal(torch.get_rng_state(), mine)  # this rank keeps the streams its seed gave it
-
-
-def test_adaptive_scales_agree_across_ranks(tmp_path):
-    """Per-layer scales come from each rank's own gradients; they are reduced to one value per
-    layer, or the all-reduced gradients would mix scales and the curve would leave the reference."""
-    ddp, single = tmp_path / "ddp", tmp_path / "single"
-    # init_scale=1: the per-layer scales do the lifting (with auto the output scale takes accum_cap).
-    common = [*DIGITS, "loss_scale=adaptive", "loss_scale.init_scale=1", "trainer.max_steps=4"]
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
-         *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
-        capture_output=True, text=True, env=env(), timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = subprocess.run([sys.executable, "-m", "mptrain", *common, "data.batch_size=16", f"hydra.run.dir={single}"],
-                       capture_output=True, text=True, env=env(), timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    state = json.loads((ddp / "summary.json").read_text())["loss_scale_state"]["model"]
-    assert state["policy"] == "adaptive" and state["layer_scale_max"] > 1  # scales really applied
-    a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
-    for (_, x), (_, y) in zip(a, b, strict=True):
-        assert x == pytest.approx(y, rel=1e-4)
 
 
 # Rank 1 alone gets an Inf in its loss on its 3rd forward; every rank records its scaler's decision.

@@ -68,6 +68,7 @@ def _step_syncs(overrides: list[str], steps: int = 3) -> list[int]:
 
 
 
+@pytest.mark.kernels("blocks")
 @pytest.mark.parametrize("fused_on", [False, True], ids=["reference", "fused"])
 def test_an_emulated_step_makes_no_host_sync(fused_on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """NVFP4 with its whole recipe (the Hadamard transform, 2D tiles, stochastic rounding) and FP8
