@@ -669,6 +669,28 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
             f"whose windows spread {100 * fmt['amp_bf16']['spread']:.0f}%") in readme
 
 
+def suite_compile_stats(data: dict) -> dict:
+    """A ``scripts/suite_compile_times.py`` run's sums: worker time in tests, in torch.compile (test_fused's
+    part), in the fused tests (test_fused, test_syncs); graphs, distinct FX codes, codes on both workers,
+    same-worker recompiles by test, and AOTAutograd and inductor's time."""
+    workers = data["workers"].values()
+    tests = [t for w in workers for t in w["tests"]]
+    codes = [{g[1] for g in w["graphs"]} for w in workers]
+    graphs = [g for w in workers for g in w["graphs"]]
+    return {
+        "total": sum(t[1] for t in tests),
+        "compiled": sum(t[2] for t in tests if t[2] > 0),  # < 0: a dynamo reset
+        "fused": sum(t[2] for t in tests if t[2] > 0 and t[0].startswith("tests/test_fused.py")),
+        "kernel_tests": sum(t[1] for t in tests if t[0].startswith(("tests/test_fused.py", "tests/test_syncs.py"))),
+        "graphs": len(graphs), "codes": len(set.union(*codes)), "both": len(set.intersection(*codes)),
+        "again": Counter(g[0].split("::")[1].split("[")[0] for w in workers
+                         for i, g in enumerate(w["graphs"]) if g[1] in {h[1] for h in w["graphs"][:i]}),
+        "backend": sum(g[2] for g in graphs),
+        "by_file": Counter({f: sum(t[1] for t in tests if t[0].startswith(f"tests/{f}")) for f in
+                            {t[0].split("/")[1].split("::")[0] for t in tests}}),
+    }  # fmt: skip
+
+
 def test_the_suite_timings_in_prose_are_their_logs() -> None:
     """README's and the notes' suite timings on the AVX2-only CPU, from the runs' own logs; README's
     test command is the one CI runs."""
@@ -700,28 +722,54 @@ def test_the_suite_timings_in_prose_are_their_logs() -> None:
     assert f"| {said(later_wall)} | {later} |" in notes
     data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile.json").read_text())
     assert data["meta"]["wall_s"] == later_wall and data["meta"]["counts"] == later
-    workers = data["workers"].values()
-    tests = [t for w in workers for t in w["tests"]]
-    total, compiled = sum(t[1] for t in tests), sum(t[2] for t in tests if t[2] > 0)  # < 0: a dynamo reset
-    fused = sum(t[2] for t in tests if t[2] > 0 and t[0].startswith("tests/test_fused.py"))
-    codes = [{g[1] for g in w["graphs"]} for w in workers]
-    graphs = [g for w in workers for g in w["graphs"]]
-    again = Counter(g[0].split("::")[1].split("[")[0] for w in workers
-                    for i, g in enumerate(w["graphs"]) if g[1] in {h[1] for h in w["graphs"][:i]})
-    backend = sum(g[2] for g in graphs)
+    st = suite_compile_stats(data)
+    total, compiled, again = st["total"], st["compiled"], st["again"]
     quotes = [
         f"The two workers spent {total:,.0f} s in tests, {compiled:,.0f} s of it ({100 * compiled / total:.0f}%) in "
-        f"torch.compile, almost all in `tests/test_fused.py` ({fused:,.0f} s). The other {total - compiled:,.0f} s "
-        f"alone would take {said((total - compiled) / 2)} on two workers.",
-        f"Inductor compiled {len(graphs)} graphs with {len(set.union(*codes))} distinct FX codes",
-        f"{len(set.intersection(*codes))} codes on both workers, and {sum(again.values())} compiles of a code the "
+        f"torch.compile, almost all in `tests/test_fused.py` ({st['fused']:,.0f} s). The other "
+        f"{total - compiled:,.0f} s alone would take {said((total - compiled) / 2)} on two workers.",
+        f"Inductor compiled {st['graphs']} graphs with {st['codes']} distinct FX codes",
+        f"{st['both']} codes on both workers, and {sum(again.values())} compiles of a code the "
         f"same worker had compiled before, {again['test_repeated_calls_skip_dynamo_and_match_the_reference']} of "
         f"them in `test_repeated_calls_skip_dynamo_and_match_the_reference` and "
         f"{again['test_runs_through_the_engine_match_the_reference_and_report_compile_time']} in",
-        f"AOTAutograd and inductor took {backend:,.0f} s of the compile time",
+        f"AOTAutograd and inductor took {st['backend']:,.0f} s of the compile time",
     ]
     missing = [q for q in quotes if " ".join(q.split()) not in notes]
     assert not missing, missing
     assert total - 1200 > compiled / 2 - 30  # "about half the compile work gone" to reach 2 x 600 s
     command = re.search(r"\n {4}(python -m pytest[^\n]*)\n", (ROOT / "README.md").read_text())
     assert command and command[1] + " --junitxml" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_family_split_run_in_prose_is_its_data() -> None:
+    """The notes' run after each family of fused kernels went to one worker (a1f2d61), against the
+    run before (55feba8): from the two runs' own records."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    notes = " ".join((bench_dir / "cpu-2026-11-27-avx2-suite.md").read_text().split())
+    log = (bench_dir / "cpu-2026-11-27-avx2-suite-latest-torch-2-workers-cold-a1f2d61.log").read_text()
+    last = log.strip().splitlines()[-1]
+    found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
+    assert found, last
+    data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-a1f2d61.json").read_text())
+    assert data["meta"]["wall_s"] == float(found[2]) and data["meta"]["counts"] == found[1]
+    new = suite_compile_stats(data)
+    old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile.json").read_text()))
+    wall = float(found[2])
+    quotes = [
+        f"{found[1]} in {int(wall) // 60} min {int(wall) % 60} s",
+        f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
+        f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at 55feba8)",
+        f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
+        f"AOTAutograd and inductor ({old['backend']:,.0f} s)",
+        f"took {new['kernel_tests']:,.0f} s of worker time against {old['kernel_tests']:,.0f} s; the other tests "
+        f"took {new['total'] - new['kernel_tests']:,.0f} s against {old['total'] - old['kernel_tests']:,.0f} s",
+        f"{new['by_file']['test_bench.py'] - old['by_file']['test_bench.py']:,.0f} s more in `tests/test_bench.py`",
+        f"the compile work fell by {old['compiled'] - new['compiled']:,.0f} s "
+        f"({100 * (old['compiled'] - new['compiled']) / old['compiled']:.0f}%) of worker time",
+    ]
+    missing = [q for q in quotes if " ".join(q.split()) not in notes]
+    assert not missing, missing
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"{new['graphs']} graphs instead of {old['graphs']} in a later cold 2.15 run, whose wall time "
+            f"({int(wall) // 60} min {int(wall) % 60} s)") in readme
