@@ -732,8 +732,9 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     assert of(gm, fn, body, "k", x3, args, wrong) is None  # not what dynamo returned
 
 
-@pytest.mark.kernels("elements")
-def test_a_converted_model_trains_identically() -> None:
+@pytest.mark.parametrize("mode", [pytest.param("fp8 tensor", marks=pytest.mark.kernels("elements")),
+                                  pytest.param("mxfp6", marks=pytest.mark.kernels("blocks"))])
+def test_a_converted_model_trains_identically(mode: str) -> None:
     """Two steps of an MLP, fused and reference: the same weights, bit for bit (every quantizer,
     every draw of the rounding streams, the FP16 master rounding). FP8 with per-tensor scales and
     MXFP6; NVFP4's recipe and FP8 hybrid go the same way (``build_precision``, ``prepare_model``)
@@ -761,19 +762,21 @@ def test_a_converted_model_trains_identically() -> None:
         rounding_rng.seed_rounding(None)
         return [p.detach().clone() for p in model.parameters()]
 
-    for cfg in (FP8PrecisionConfig(name="fp8", scaling="tensor"), MXPrecisionConfig(name="mx", format="mxfp6")):
-        got, want = both(lambda cfg=cfg: train(cfg))
-        for a, b in zip(got, want, strict=True):
-            assert_same(a, b)
+    cfg = {"fp8 tensor": FP8PrecisionConfig(name="fp8", scaling="tensor"),
+           "mxfp6": MXPrecisionConfig(name="mx", format="mxfp6")}[mode]
+    got, want = both(lambda: train(cfg))
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
 
 
 # --------------------------------------------------------------------------------------------
 # through the engine
 
 
-@pytest.mark.kernels("blocks")
+@pytest.mark.parametrize("name", [pytest.param("nvfp4", marks=pytest.mark.kernels("blocks")),
+                                  pytest.param("hybrid", marks=pytest.mark.kernels("elements"))])
 def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The transformer LM in NVFP4 (its whole recipe) and FP8 hybrid (stochastic rounding, FP16
     masters, enhanced loss scaling), run fused and on the reference: the same loss at every step,
@@ -785,20 +788,20 @@ def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
     from mptrain import checkpoint
 
     as_a_fresh_process(monkeypatch)  # a fresh process would compile: so does this one
-    for mode in (["precision=mx", "precision.format=nvfp4"], ["precision=fp8", "precision.format=hybrid"]):
-        name = mode[-1].split("=")[1]
-        common = [*TINY_TF, *mode, "trainer.max_steps=4", "trainer.log_every=1", "trainer.precision_plan=false"]
-        fast = run_job(tmp_path / f"{name}-fused", *common)
-        with fused.reference():
-            ref = run_job(tmp_path / f"{name}-ref", *common)
-        assert fast["quantizers"] == "fused" and ref["quantizers"] == "reference (MPTRAIN_FUSED=0)"
-        assert fast["compile_time_s"] > 0 and ref["compile_time_s"] == 0
-        assert scalars(tmp_path / f"{name}-fused")["train/loss"] == scalars(tmp_path / f"{name}-ref")["train/loss"]
-        a = checkpoint.load(checkpoint.list_checkpoints(tmp_path / f"{name}-fused")[-1])["modules"]
-        b = checkpoint.load(checkpoint.list_checkpoints(tmp_path / f"{name}-ref")[-1])["modules"]
-        for net in a:
-            for key in a[net]:
-                assert_same(a[net][key].float(), b[net][key].float())
+    mode = ["precision=mx", "precision.format=nvfp4"] if name == "nvfp4" else ["precision=fp8",
+                                                                                "precision.format=hybrid"]
+    common = [*TINY_TF, *mode, "trainer.max_steps=4", "trainer.log_every=1", "trainer.precision_plan=false"]
+    fast = run_job(tmp_path / "fused", *common)
+    with fused.reference():
+        ref = run_job(tmp_path / "ref", *common)
+    assert fast["quantizers"] == "fused" and ref["quantizers"] == "reference (MPTRAIN_FUSED=0)"
+    assert fast["compile_time_s"] > 0 and ref["compile_time_s"] == 0
+    assert scalars(tmp_path / "fused")["train/loss"] == scalars(tmp_path / "ref")["train/loss"]
+    a = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "fused")[-1])["modules"]
+    b = checkpoint.load(checkpoint.list_checkpoints(tmp_path / "ref")[-1])["modules"]
+    for net in a:
+        for key in a[net]:
+            assert_same(a[net][key].float(), b[net][key].float())
 
 
 # Issue 24's CPU targets: (model, mode) -> the largest step time against FP32 it allows.
