@@ -39,16 +39,18 @@ if _workers > 1:
     torch.set_num_threads(_share)
     torch._inductor.config.compile_threads = 1
 
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist's worksteal (README's command), each worker starts on a contiguous share of the
-    collection and the others steal from its tail. The fused quantizers' tests compile graphs that
-    only the process which traced them can call again (dynamo's work is per process, and inductor's
-    disk cache serves another worker only once a graph is written), so a family of kernels split
-    across two workers is compiled twice: 38 of 70 graph codes were, in a cold two-worker run
-    (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Each family (``@pytest.mark.kernels``) goes to
-    the head of a share of its own, where stealing, which takes the tail, leaves it; the other tests
-    keep their order. Reordering only: no test depends on another's order. (Workers collect, and see
-    their count in the environment: xdist resets their -n and --dist options.)"""
+    """Under xdist's worksteal (README's command; another --dist mode only sees a new order), each
+    worker starts on a contiguous share of the collection and the others steal from its tail. The
+    fused quantizers' tests compile graphs that only the process which traced them can call again
+    (dynamo's work is per process, and inductor's disk cache serves another worker only once a graph
+    is written), so a family of kernels split across two workers is compiled twice: 38 of 70 graph
+    codes were, in a cold two-worker run (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Each family
+    (``@pytest.mark.kernels``) goes to the head of a share of its own, where stealing, which takes
+    the tail, leaves it; the other tests keep their order. Reordering only: no test depends on
+    another's order. (Workers collect, and see their count in the environment: xdist resets their
+    -n and --dist options.)"""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         return

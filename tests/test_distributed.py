@@ -82,8 +82,8 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     s_ddp = json.loads((ddp / "summary.json").read_text())
     s_one = json.loads((single / "summary.json").read_text())
     assert s_ddp["world_size"] == 2 and s_ddp["global_batch_size"] == 16 and s_one["global_batch_size"] == 16
-    state = s_ddp["loss_scale_state"]["model"]
-    assert state["policy"] == "adaptive" and state["layer_scale_max"] > 1  # scales really applied
+    scaler = s_ddp["loss_scale_state"]["model"]
+    assert scaler["policy"] == "adaptive" and scaler["layer_scale_max"] > 1  # scales really applied
     a, b = scalars(ddp)["train/loss"], scalars(single)["train/loss"]
     assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3, 4, 5]
     for (_, x), (_, y) in zip(a, b, strict=True):
