@@ -739,7 +739,8 @@ def test_a_converted_model_trains_identically(mode: str) -> None:
     every draw of the rounding streams, the FP16 master rounding). FP8 with per-tensor scales and
     MXFP6; NVFP4's recipe and FP8 hybrid go the same way (``build_precision``, ``prepare_model``)
     through the engine in the next test, which compiles their kernels in a fresh process's tables
-    anyway: run here too, they cost the suite ~45 s of compiling for no path of their own."""
+    anyway: run here too, they cost the suite ~60 s of compiling (a cold two-worker run) for no path
+    of their own."""
     from omegaconf import OmegaConf
 
     from mptrain.config import FP8PrecisionConfig, MXPrecisionConfig
