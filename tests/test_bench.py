@@ -669,6 +669,18 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
             f"whose windows spread {100 * fmt['amp_bf16']['spread']:.0f}%") in readme
 
 
+def suite_log_result(name: str) -> tuple[str, float]:
+    """A suite log's last line (docs/benchmarks/cpu-2026-11-27-avx2-suite-NAME.log): its counts, seconds."""
+    last = (ROOT / "docs" / "benchmarks" / f"cpu-2026-11-27-avx2-suite-{name}.log").read_text().strip().splitlines()[-1]
+    found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
+    assert found, last
+    return found[1], float(found[2])
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds) // 60} min {int(seconds) % 60} s"
+
+
 def suite_compile_stats(data: dict) -> dict:
     """A ``scripts/suite_compile_times.py`` run's sums: worker time in tests, in torch.compile (test_fused's
     part), in the fused tests (test_fused, test_syncs); graphs, distinct FX codes, codes on both workers,
@@ -695,15 +707,8 @@ def test_the_suite_timings_in_prose_are_their_logs() -> None:
     """README's and the notes' suite timings on the AVX2-only CPU, from the runs' own logs; README's
     test command is the one CI runs."""
     bench_dir = ROOT / "docs" / "benchmarks"
-
-    def wall(name: str) -> tuple[str, float]:
-        last = (bench_dir / f"cpu-2026-11-27-avx2-suite-{name}.log").read_text().strip().splitlines()[-1]
-        found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
-        assert found, last
-        return found[1], float(found[2])
-
-    def said(seconds: float) -> str:
-        return f"{int(seconds) // 60} min {int(seconds) % 60} s"
+    wall = suite_log_result
+    said = minutes
 
     runs = {n: wall(n) for n in ("min-torch-1-process-cold", "min-torch-2-workers-cold", "min-torch-2-workers-warm",
                                  "latest-torch-2-workers-cold")}  # fmt: skip
@@ -747,17 +752,13 @@ def test_the_family_split_run_in_prose_is_its_data() -> None:
     run before (55feba8): from the two runs' own records."""
     bench_dir = ROOT / "docs" / "benchmarks"
     notes = " ".join((bench_dir / "cpu-2026-11-27-avx2-suite.md").read_text().split())
-    log = (bench_dir / "cpu-2026-11-27-avx2-suite-latest-torch-2-workers-cold-a1f2d61.log").read_text()
-    last = log.strip().splitlines()[-1]
-    found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
-    assert found, last
+    counts, wall = suite_log_result("latest-torch-2-workers-cold-a1f2d61")
     data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-a1f2d61.json").read_text())
-    assert data["meta"]["wall_s"] == float(found[2]) and data["meta"]["counts"] == found[1]
+    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
     new = suite_compile_stats(data)
     old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile.json").read_text()))
-    wall = float(found[2])
     quotes = [
-        f"{found[1]} in {int(wall) // 60} min {int(wall) % 60} s",
+        f"{counts} in {minutes(wall)}",
         f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
         f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at 55feba8)",
         f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
@@ -772,4 +773,4 @@ def test_the_family_split_run_in_prose_is_its_data() -> None:
     assert not missing, missing
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"{new['graphs']} graphs instead of {old['graphs']} in a later cold 2.15 run, whose wall time "
-            f"({int(wall) // 60} min {int(wall) % 60} s)") in readme
+            f"({minutes(wall)})") in readme
