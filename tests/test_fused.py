@@ -296,7 +296,11 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
         with fused.reference():
             want = fused.quantize_scaled(t, fmt, stochastic=True, generator=b)
         assert_same(got, want)
-        for dim, view in ((1, t), (0, t), (1, t.t()), (1, t.reshape(-1, 16, 2, 2)), (0, t.reshape(-1, 16, 2, 2))):
+        t3 = t.reshape(8, 8, 96)
+        # each logical order of the runs A, n, B that the kernel reads in place (fused.view3):
+        # (A, n, B), (n, A, B) stored as (A, n, B), (A, B, n) stored as (A, n, B)
+        for dim, view in ((1, t), (0, t), (1, t.t()), (0, t.t()), (0, t3.transpose(0, 1)), (2, t3.transpose(1, 2)),
+                          (1, t.reshape(-1, 16, 2, 2)), (0, t.reshape(-1, 16, 2, 2))):  # fmt: skip
             assert_same(*both(lambda dim=dim, view=view: fused.axiswise_round(view, fmt, dim)))
             a, b = stream_pair()
             got = fused.axiswise_round(view, fmt, dim, stochastic=True, generator=a)
@@ -722,7 +726,8 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     entry = compiled_calls._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
     assert compiled_calls._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
                           args[1].shape, "mx32", False, None, None, None]  # fmt: skip
-    out = entry.kernel(x3, *args)
+    with torch.no_grad():  # as _call runs it: grad mode is one of dynamo's guards
+        out = entry.kernel(x3, *args)
     (gm, fn), (gm_one, fn_one) = entry.backend.graphs
     assert entry.backend.ran == 0
     of, body = compiled_calls._Direct.of, fused_kernels._k_blocks
@@ -730,6 +735,34 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     assert of(gm_one, fn_one, body, "k", x3, args, out) is None  # not the graph that ran
     wrong = (out[0] + 1, *out[1:])
     assert of(gm, fn, body, "k", x3, args, wrong) is None  # not what dynamo returned
+
+
+@pytest.mark.kernels("elements")
+def test_an_element_kernel_compiles_once_for_a_runs_sizes_layouts_and_grad_modes(
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Each variant of the element kernels compiles one graph for what a run hands it: a second
+    size, layout, group length or grad mode runs the same graph. Each once cost a second compile:
+    the row-wise draws' strides were int arguments (dynamo specialised them), a group of one tensor
+    had offsets of one entry (a size dynamo specialises), the bf16 write-back's masters were not
+    marked dynamic, and a forward calls with grad mode on where the optimizer's calls have it off."""
+    as_a_fresh_process(monkeypatch)
+    monkeypatch.setattr(fused, "_ALONE", 64)
+    g = torch.Generator().manual_seed(16)
+    x, y = torch.randn(64, 96, generator=g), torch.randn(48, 40, generator=g)
+    stream = RoundingStream(1)
+    for t, dim in ((x, 1), (x.t(), 0), (y, 1), (y.t(), 0)):  # "anb", then "nab", each in two sizes
+        fused.axiswise_round(t, nf.E5M2, dim, stochastic=True, generator=stream)
+    with torch.no_grad():
+        fused.round_to_element(x, nf.E4M3)
+    fused.round_to_element(y, nf.E4M3)
+    for sizes in ((40,), (30, 20)):  # groups of one tensor, then two
+        fused.round_params_([torch.randn(s, generator=g) for s in sizes], nf.FP16, stochastic=True, generator=stream)
+    for n in (100, 300):  # each alone: the bf16 write-back's own kernel
+        fused.write_back_([torch.empty(n, dtype=torch.bfloat16)], [torch.randn(n, generator=g)], stream)
+    graphs = {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items()}
+    for kernel in ("axis_tfanb_", "axis_tfnab_", "round_tf_", "round_all_t_", "bf16___"):
+        assert any(k.startswith(kernel) for k in graphs), (kernel, graphs)
+    assert all(n == 1 for n in graphs.values()), graphs
 
 
 @pytest.mark.parametrize("mode", [pytest.param("fp8 tensor", marks=pytest.mark.kernels("elements")),

@@ -234,7 +234,7 @@ class _Direct:
         full = (x, *args)
         holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         tensors: dict[str, int] = {}
-        ints: dict[str, int] = {}  # int arguments dynamo made dynamic (the row-wise kernel's strides)
+        ints: dict[str, int] = {}  # int arguments dynamo made dynamic (after a second value: a recompile)
         consts: dict[str, Tensor] = {}  # a format's constants, read by a traced graph (call_graph)
         streams: dict[str, tuple[int, str]] = {}  # a rounding stream's tensors, read off an argument (a recipe)
         for n in holders:
@@ -335,7 +335,10 @@ def _through_dynamo(kernel: Callable[..., Any], backend: _Inductor, directs: dic
     backend.ran = None
     first = key is not None and key not in directs
     before = [t.clone() for t in _stream_state(x, args)] if first else None
-    out = kernel(x, *args)
+    # Grad mode is part of dynamo's guards, and a quantizer is called with it on (a forward) and off
+    # (the optimizer's master weights): without this, one more compile of the same kernel.
+    with torch.no_grad():
+        out = kernel(x, *args)
     if first and backend.ran is not None:
         gm, fn = backend.graphs[backend.ran]
         directs[key] = _Direct.of(gm, fn, body, label, x, args, out, before)

@@ -224,11 +224,12 @@ def _by_stride(x: Tensor) -> list[int]:
     return order
 
 
-def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], tuple[int, int, int] | None] | None:
+def view3(x: Tensor, dim: int) -> tuple[Tensor, Callable[[Tensor], Tensor], str | None] | None:
     """x as an (A, n, B) view of its storage with ``dim`` as n, and a function taking such a tensor
     back to x's logical layout; None when no view keeps the other dims in their logical order (the
-    caller then copies x to contiguous first). Third: x's row-major strides along (A, n, B), where
-    A's and B's dims are each a run of consecutive logical dims (else None)."""
+    caller then copies x to contiguous first). Third: the logical order of x's dims as the runs
+    A, n and B (``_k_axis``'s ``order``: "anb", "nab" or "abn"), where A's and B's dims are each a
+    run of consecutive logical dims (else None)."""
     # Eager: worked out once per shape, stride and dim (a step makes hundreds of these calls). Traced
     # into a graph (call_graph), where sizes may be symbolic: every time.
     compiling = torch.compiler.is_compiling()
@@ -251,7 +252,7 @@ def _from3(t: Tensor, lay: _Layout) -> Tensor:
     return t.permute(inverse) if inverse is not None else t
 
 
-_Layout = tuple[list[int], list[int] | None, tuple[int, ...], tuple[int, int, int], tuple[int, int, int] | None]
+_Layout = tuple[list[int], list[int] | None, tuple[int, ...], tuple[int, int, int], str | None]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -261,7 +262,7 @@ def _cached_layout(shape: tuple[int, ...], stride: tuple[int, ...], dim: int) ->
 
 def _layout(x: Tensor, dim: int) -> _Layout | None:
     """view3's plan: (the permutation to x's storage order, its inverse or None for the identity,
-    the permuted shape, (A, n, B), the strides of the docstring), or None."""
+    the permuted shape, (A, n, B), the order of the docstring), or None."""
     d = dim % x.dim()
     order = list(range(x.dim())) if x.is_contiguous() else _by_stride(x)
     base = x.permute(order)
@@ -271,12 +272,15 @@ def _layout(x: Tensor, dim: int) -> _Layout | None:
     bd = order.index(d)
     a_dims, b_dims = order[:bd], order[bd + 1:]
     inverse = [order.index(i) for i in range(x.dim())]
-    logical = [math.prod(x.shape[i + 1:]) for i in range(x.dim())]
     runs = all(g == list(range(g[0], g[0] + len(g))) for g in (a_dims, b_dims) if g)
-    strides = (logical[a_dims[-1]] if a_dims else 0, logical[d], logical[b_dims[-1]] if b_dims else 0) if runs else None
+    # A's and B's dims keep their logical order (rest is sorted), so n's place among them is all the
+    # kernel needs to draw each element by its row-major index in x, from (A, n, B)'s sizes
+    order3 = None
+    if runs:
+        order3 = "nab" if a_dims and d < a_dims[0] else "abn" if b_dims and d > b_dims[-1] else "anb"
     shape = tuple(base.shape)
     three = (math.prod(shape[:bd]), shape[bd], math.prod(shape[bd + 1:]))
-    return order, (None if order == sorted(order) else inverse), shape, three, strides
+    return order, (None if order == sorted(order) else inverse), shape, three, order3
 
 
 def round_to_element(
@@ -327,35 +331,43 @@ def _axiswise(x: Tensor, fmt: ElementFormat, dim: int, stochastic: bool, generat
         in_place = v is not None and v[2] is not None
         if not in_place:
             v = view3(x.contiguous(), dim)
-        x3, back, strides = v  # type: ignore[misc]
+        x3, back, order3 = v  # type: ignore[misc]
         narrow = _narrow_inner(x3)
         if torch.compiler.is_compiling():  # call_graph checked the stream
-            return _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
+            return _axis_call(x, x3, back, order3, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
         try:
-            out = _axis_call(x, x3, back, strides, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
+            out = _axis_call(x, x3, back, order3, fmt, stochastic, generator, narrow)  # type: ignore[arg-type]
         except _Unfused:
             pass
         else:
             if in_place and not narrow and _may_keep(stochastic, generator):
-                args = (*_elem(fmt, x.device), *strides, *_stream_args(generator, stochastic))
-                _keep_fast(_fast_key("axis", fmt, dim, stochastic, x), "axis", _opts(stochastic, False), x3, args,
-                           (0, 6, 7), out, 1, fmt)  # fmt: skip
+                drawn = _draw_order(order3, stochastic)
+                args = (*_elem(fmt, x.device), drawn, *_stream_args(generator, stochastic))
+                _keep_fast(_fast_key("axis", fmt, dim, stochastic, x), "axis", _opts(stochastic, False, drawn), x3,
+                           args, (0, 4, 5), out, 1, fmt)  # fmt: skip
             return out
     if stochastic and generator is None:
         generator = global_stream(x.device)
     return nf.axiswise_round(x, fmt, dim, stochastic=stochastic, generator=generator)
 
 
-def _axis_call(x: Tensor, x3: Tensor, back: Callable[[Tensor], Tensor], strides: tuple[int, int, int],
-               fmt: ElementFormat, stochastic: bool, generator: Any, narrow: bool) -> Tensor:
+def _draw_order(order3: str, stochastic: bool) -> str:
+    """``_k_axis``'s ``order``: only draws read it, so rounding to nearest compiles one kernel for all."""
+    return order3 if stochastic else "anb"
+
+
+def _axis_call(x: Tensor, x3: Tensor, back: Callable[[Tensor], Tensor], order3: str, fmt: ElementFormat,
+               stochastic: bool, generator: Any, narrow: bool) -> Tensor:
     keys, counter = _stream(x, stochastic, generator)
+    order3 = _draw_order(order3, stochastic)
     if not narrow:
-        return back(_call("axis", _opts(stochastic, False), x3, *_elem(fmt, x.device), *strides, keys, counter)[0])
+        return back(_call("axis", _opts(stochastic, False, order3), x3, *_elem(fmt, x.device), order3, keys,
+                          counter)[0])
     # A narrow B: a copy with n innermost, whose kernel draws each element by its index in x (the
-    # strides), as the reference does. With draws, 2.5x to 6x faster than the (A, n, B) kernel on a
+    # order), as the reference does. With draws, 2.5x to 6x faster than the (A, n, B) kernel on a
     # 3x3 or 2x2 map (a CPU, one thread).
     y = x3.transpose(1, 2).contiguous()
-    out = _call("axis", _opts(stochastic, True), y, *_elem(fmt, x.device), *strides, keys, counter, True)[0]
+    out = _call("axis", _opts(stochastic, True, order3), y, *_elem(fmt, x.device), order3, keys, counter, True)[0]
     return _like(x, back(out.transpose(1, 2)))
 
 
@@ -559,9 +571,11 @@ def _groups(sizes: list[int], limit: int, kinds: list[Any] | None = None) -> Ite
 @functools.lru_cache(maxsize=64)
 def _group_index(sizes: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
     """A group's element counts and start offsets on ``device``, made once: a copy from the host
-    every step would wait for the GPU."""
+    every step would wait for the GPU. The offsets end with the group's end, which no element reads:
+    for a group of one tensor they would have one entry, a size dynamo specialises, and its
+    kernel compiled a second time for the first group of two."""
     counts = torch.tensor(sizes, dtype=torch.int64, device=device)
-    return counts, (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    return counts, torch.cumsum(torch.cat([counts.new_zeros(1), counts]), 0).to(torch.int32)
 
 
 def _which(counts: Tensor, n: int) -> Tensor:
@@ -619,7 +633,9 @@ def _write_group(dst: list[Tensor], src: list[Tensor], keys: Tensor, first: Tens
 def _write_one(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
     """One master into its bf16 / FP16 parameter, stochastically, in a call of its own."""
     if p.dtype == torch.bfloat16:
-        _run("bf16_", "", p.view(-1), m.view(-1), keys, counter)
+        flat = m.view(-1)
+        torch._dynamo.maybe_mark_dynamic(flat, 0)  # as _call's x (p): else one more compile for a second size
+        _run("bf16_", "", p.view(-1), flat, keys, counter)
     else:
         p.view(-1).copy_(_run("round", _opts(True, True), m.view(-1), *_elem(nf.FP16, m.device), True, keys, counter))
 

@@ -165,16 +165,20 @@ def _k_scaled(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: T
     return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
 
 
-def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, sa: int, sn: int, sb: int, keys: Tensor | None,
-            counter: Tensor | None, last: bool = False) -> tuple[Tensor, ...]:
+def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, order: str, keys: Tensor | None, counter: Tensor | None,
+            last: bool = False) -> tuple[Tensor, ...]:
     """``qgemm.axiswise_round`` along dim 1 of (A, n, B), or, ``last``, along dim 2 of (A, B, n) (a
-    copy with n innermost: ``_axiswise``). (sa, sn, sb): the caller's row-major strides along
-    (A, n, B), the order its uniforms are drawn in, whichever layout the kernel reads."""
+    copy with n innermost: ``_axiswise``). ``order``: the caller's logical order of the runs A, n, B
+    ("anb", "nab", "abn"), whose row-major index is the order its uniforms are drawn in, whichever
+    layout the kernel reads. The strides are worked out here from the sizes: passed in as ints,
+    dynamo specialised them on the first call and compiled again on the first other layout."""
     xf = x3.float()
     s = _pow2_scale(xf.abs().amax(2 if last else 1, keepdim=True), pf, pi)
     u = None
     if keys is not None:
         a, m, k = xf.shape
+        n, b = (k, m) if last else (m, k)
+        sa, sn, sb = (n * b, b, 1) if order == "anb" else (b, a * b, 1) if order == "nab" else (b * n, 1, n)
         idx = (_arange(a, (a, 1, 1), xf) * sa + _arange(m, (1, m, 1), xf) * (sb if last else sn)
                + _arange(k, (1, 1, k), xf) * (sn if last else sb))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
