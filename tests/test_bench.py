@@ -673,7 +673,6 @@ def test_the_one_compile_run_in_prose_is_its_data() -> None:
     """The notes' run after one compile per element-kernel variant (ec6915f) against the family
     split's run (a1f2d61), and the clean-clone CI run at ec6915f: from their own records."""
     bench_dir = ROOT / "docs" / "benchmarks"
-    notes = " ".join((bench_dir / "cpu-2026-11-27-avx2-suite.md").read_text().split())
     counts, wall = suite_log_result("latest-torch-2-workers-cold-ec6915f")
     _, old_wall = suite_log_result("latest-torch-2-workers-cold-a1f2d61")
     data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ec6915f.json").read_text())
@@ -684,22 +683,35 @@ def test_the_one_compile_run_in_prose_is_its_data() -> None:
     lanes = re.findall(r"^(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)$", ci, re.M)
     assert len(lanes) == 2 and "total: 1993 passed, 0 failed" in ci and ci.count(": exit 0,") == 2
     quotes = [
+        *compile_comparison(new, old, "a1f2d61"),
         f"{counts} in {minutes(wall)}, against {minutes(old_wall)} at a1f2d61",
-        f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
-        f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at a1f2d61)",
-        f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
-        f"AOTAutograd and inductor ({old['backend']:,.0f} s): the compile work fell by "
-        f"{old['compiled'] - new['compiled']:,.0f} s ({100 * (1 - new['compiled'] / old['compiled']):.0f}%)",
-        f"took {new['kernel_tests']:,.0f} s of worker time against {old['kernel_tests']:,.0f} s; the other tests "
-        f"took {new['total'] - new['kernel_tests']:,.0f} s against {old['total'] - old['kernel_tests']:,.0f} s",
         f"{lanes[0][0]} in {minutes(float(lanes[0][1]))} on torch 2.11, and {lanes[1][0]} in "
         f"{minutes(float(lanes[1][1]))} on 2.15",
     ]
-    missing = [q for q in quotes if " ".join(q.split()) not in notes]
-    assert not missing, missing
+    assert_in_suite_notes(quotes)
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"a cold 2.15 run compiled {new['graphs']} graphs in {minutes(wall)}, and a clean-clone `.ci/run` took "
             f"{minutes(float(lanes[0][1]))} (2.11) and {minutes(float(lanes[1][1]))} (2.15) of tests") in readme
+
+
+def assert_in_suite_notes(quotes: list[str]) -> None:
+    notes = " ".join((ROOT / "docs" / "benchmarks" / "cpu-2026-11-27-avx2-suite.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in notes]
+    assert not missing, missing
+
+
+def compile_comparison(new: dict, old: dict, before: str) -> list[str]:
+    """What the suite notes quote of two ``suite_compile_stats``: graphs, compile time, tests' time."""
+    return [
+        f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
+        f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at {before})",
+        f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
+        f"AOTAutograd and inductor ({old['backend']:,.0f} s)",
+        f"took {new['kernel_tests']:,.0f} s of worker time against {old['kernel_tests']:,.0f} s; the other tests "
+        f"took {new['total'] - new['kernel_tests']:,.0f} s against {old['total'] - old['kernel_tests']:,.0f} s",
+        f"the compile work fell by {old['compiled'] - new['compiled']:,.0f} s "
+        f"({100 * (old['compiled'] - new['compiled']) / old['compiled']:.0f}%) of worker time",
+    ]
 
 
 def suite_log_result(name: str) -> tuple[str, float]:
@@ -784,26 +796,17 @@ def test_the_family_split_run_in_prose_is_its_data() -> None:
     """The notes' run after each family of fused kernels went to one worker (a1f2d61), against the
     run before (55feba8): from the two runs' own records."""
     bench_dir = ROOT / "docs" / "benchmarks"
-    notes = " ".join((bench_dir / "cpu-2026-11-27-avx2-suite.md").read_text().split())
     counts, wall = suite_log_result("latest-torch-2-workers-cold-a1f2d61")
     data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-a1f2d61.json").read_text())
     assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
     new = suite_compile_stats(data)
     old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile.json").read_text()))
     quotes = [
+        *compile_comparison(new, old, "55feba8"),
         f"{counts} in {minutes(wall)}",
-        f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
-        f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at 55feba8)",
-        f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
-        f"AOTAutograd and inductor ({old['backend']:,.0f} s)",
-        f"took {new['kernel_tests']:,.0f} s of worker time against {old['kernel_tests']:,.0f} s; the other tests "
-        f"took {new['total'] - new['kernel_tests']:,.0f} s against {old['total'] - old['kernel_tests']:,.0f} s",
         f"{new['by_file']['test_bench.py'] - old['by_file']['test_bench.py']:,.0f} s more in `tests/test_bench.py`",
-        f"the compile work fell by {old['compiled'] - new['compiled']:,.0f} s "
-        f"({100 * (old['compiled'] - new['compiled']) / old['compiled']:.0f}%) of worker time",
     ]
-    missing = [q for q in quotes if " ".join(q.split()) not in notes]
-    assert not missing, missing
+    assert_in_suite_notes(quotes)
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert (f"{new['graphs']} graphs instead of {old['graphs']} in a later cold 2.15 run, whose wall time "
             f"({minutes(wall)})") in readme
