@@ -7,6 +7,7 @@ train the same numbers.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mptrain.bench import main
+from mptrain.bench import harness, main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--device", "cpu", "--width-divisor", "8", "--image-size", "32", "--batch-sizes", "4", "--threads", "1",
@@ -191,6 +192,27 @@ def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--models", "resnet50", "--precisions", "fp64", *TINY]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("mptrain-bench: error: ") and "fp64" in err[-1]
+
+
+def test_cells_collect_on_a_frozen_heap_and_a_callers_freeze_is_kept(tmp_path, monkeypatch):
+    """The full collections between cells run with the objects alive before the benchmark frozen:
+    torch's own, and here every graph the suite's kernel tests compiled, which each collection used
+    to walk again. The heap is thawed after it; a freeze made by the caller is left as it was."""
+    freezes: list[int] = []
+    release = harness._release
+    monkeypatch.setattr(harness, "_release", lambda device: freezes.append(gc.get_freeze_count()) or release(device))
+    bench(tmp_path, "--models", "resnet50", "--precisions", "fp32", "--steps", "1", "--window", "1", "--warmup",
+          "1", *TINY)
+    assert freezes and min(freezes) > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        mine = gc.get_freeze_count()
+        with harness.frozen_heap():
+            assert gc.get_freeze_count() == mine
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
 
 
 def test_script_wrapper_runs():

@@ -27,6 +27,7 @@ from mptrain.bench.harness import (
     Options,
     _release,
     add_ratios,
+    frozen_heap,
     run_cell,
     variants_for,
 )
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), frozen_heap():
             # A skipped first FP16 step makes torch warn that the scheduler stepped first; filtered
             # once for the whole run, so the bare loop pays for no warnings context per step.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
