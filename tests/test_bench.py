@@ -718,6 +718,33 @@ def test_the_one_compile_run_in_prose_is_its_data() -> None:
             f"{minutes(lanes[0][1])} (2.11) and {minutes(lanes[1][1])} (2.15) of tests") in readme
 
 
+def test_the_frozen_heap_run_in_prose_is_its_data() -> None:
+    """The notes' run after the benchmark harness's heap was frozen (ab9e9ae) against the run at
+    ec6915f, and the clean-clone CI run at ab9e9ae: from their own records."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    counts, wall = suite_log_result("latest-torch-2-workers-cold-ab9e9ae")
+    _, old_wall = suite_log_result("latest-torch-2-workers-cold-ec6915f")
+    data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ab9e9ae.json").read_text())
+    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
+    new = suite_compile_stats(data)
+    old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ec6915f.json").read_text()))
+    bench, old_bench = new["by_file"]["test_bench.py"], old["by_file"]["test_bench.py"]
+    assert bench < old_bench / 2  # "two to three times slower", before
+    rest, old_rest = (s["total"] - s["kernel_tests"] - s["by_file"]["test_bench.py"] for s in (new, old))
+    assert (new["graphs"], new["codes"], new["both"]) == (old["graphs"], old["codes"], old["both"])
+    lanes = ci_lanes(bench_dir / "cpu-2026-11-27-avx2-ci-ab9e9ae.log")
+    assert all(s > 600 for _, s in lanes)  # "in either lane"
+    assert_in_suite_notes([
+        f"{counts} in {minutes(wall)}, against {minutes(old_wall)} at ec6915f",
+        f"`tests/test_bench.py` took {bench:,.0f} s of worker time against {old_bench:,.0f} s",
+        f"inductor compiled the same {new['graphs']} graphs ({new['codes']} distinct FX codes, {new['both']} on both "
+        f"workers) with {new['compiled']:,.0f} s in torch.compile against {old['compiled']:,.0f} s, and the tests "
+        f"that neither compile nor benchmark took {rest:,.0f} s against {old_rest:,.0f} s",
+        f"exited 0: {lanes[0][0]} in {minutes(lanes[0][1])} on torch 2.11, and {lanes[1][0]} in "
+        f"{minutes(lanes[1][1])} on 2.15",
+    ])
+
+
 def ci_lanes(log: Path) -> list[tuple[str, float]]:
     """A clean-clone ``.ci/run`` log's two test runs (torch 2.11, then the latest): counts, seconds;
     it must have passed."""
