@@ -695,12 +695,7 @@ def test_the_one_compile_run_in_prose_is_its_data() -> None:
     """The notes' run after one compile per element-kernel variant (ec6915f) against the family
     split's run (a1f2d61), and the clean-clone CI run at ec6915f: from their own records."""
     bench_dir = ROOT / "docs" / "benchmarks"
-    counts, wall = suite_log_result("latest-torch-2-workers-cold-ec6915f")
-    _, old_wall = suite_log_result("latest-torch-2-workers-cold-a1f2d61")
-    data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ec6915f.json").read_text())
-    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
-    new = suite_compile_stats(data)
-    old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-a1f2d61.json").read_text()))
+    counts, wall, old_wall, new, old = plugin_runs("ec6915f", "a1f2d61")
     runs = {c: ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in ("ec6915f", "fa63127")}
     lanes = runs["ec6915f"]
     quotes = [
@@ -722,12 +717,7 @@ def test_the_frozen_heap_run_in_prose_is_its_data() -> None:
     """The notes' run after the benchmark harness's heap was frozen (ab9e9ae) against the run at
     ec6915f, and the clean-clone CI run at ab9e9ae: from their own records."""
     bench_dir = ROOT / "docs" / "benchmarks"
-    counts, wall = suite_log_result("latest-torch-2-workers-cold-ab9e9ae")
-    _, old_wall = suite_log_result("latest-torch-2-workers-cold-ec6915f")
-    data = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ab9e9ae.json").read_text())
-    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
-    new = suite_compile_stats(data)
-    old = suite_compile_stats(json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-ec6915f.json").read_text()))
+    counts, wall, old_wall, new, old = plugin_runs("ab9e9ae", "ec6915f")
     bench, old_bench = new["by_file"]["test_bench.py"], old["by_file"]["test_bench.py"]
     assert bench < old_bench / 2  # "two to three times slower", before
     rest, old_rest = (s["total"] - s["kernel_tests"] - s["by_file"]["test_bench.py"] for s in (new, old))
@@ -743,6 +733,18 @@ def test_the_frozen_heap_run_in_prose_is_its_data() -> None:
         f"exited 0: {lanes[0][0]} in {minutes(lanes[0][1])} on torch 2.11, and {lanes[1][0]} in "
         f"{minutes(lanes[1][1])} on 2.15",
     ])
+
+
+def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
+    """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
+    ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    counts, wall = suite_log_result(f"latest-torch-2-workers-cold-{commit}")
+    _, old_wall = suite_log_result(f"latest-torch-2-workers-cold-{before}")
+    data = json.loads((bench_dir / f"cpu-2026-11-27-avx2-suite-compile-{commit}.json").read_text())
+    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
+    old = json.loads((bench_dir / f"cpu-2026-11-27-avx2-suite-compile-{before}.json").read_text())
+    return counts, wall, old_wall, suite_compile_stats(data), suite_compile_stats(old)
 
 
 def ci_lanes(log: Path) -> list[tuple[str, float]]:
