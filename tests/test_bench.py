@@ -196,8 +196,8 @@ def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
 
 def test_cells_collect_on_a_frozen_heap_and_a_callers_freeze_is_kept(tmp_path, monkeypatch):
     """The full collections between cells run with the objects alive before the benchmark frozen:
-    torch's own, and here every graph the suite's kernel tests compiled, which each collection used
-    to walk again. The heap is thawed after it; a freeze made by the caller is left as it was."""
+    torch's own, and in a test process every graph compiled before, which each collection used to
+    walk again. The heap is thawed after it; a freeze made by the caller is left as it was."""
     freezes: list[int] = []
     release = harness._release
     monkeypatch.setattr(harness, "_release", lambda device: freezes.append(gc.get_freeze_count()) or release(device))
