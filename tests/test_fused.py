@@ -19,11 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from mptrain.engine import set_deterministic
 from mptrain.numerics import compiled_calls, fused, fused_kernels, mx
 from mptrain.numerics import formats as nf
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
+from mptrain.numerics.precision import build_precision
 from mptrain.numerics.qgemm import (
     AxiswiseQuantizer,
     BlockQuantizer,
@@ -37,6 +40,12 @@ from mptrain.numerics.rounding_rng import RoundingStream
 
 @pytest.fixture(autouse=True)
 def _fused_on() -> Any:
+    # Torch's process-wide flags as a run sets them (trainer.deterministic=false, TF32 off): inductor's
+    # cache keys include them, so a kernel these tests compile is the one an engine run in this
+    # process (below, tests/test_syncs.py) loads from the cache, not compiles again (the same graph
+    # was compiled twice in a worker: ~40 s of a cold two-worker run).
+    set_deterministic(False)
+    build_precision(OmegaConf.create({"name": "fp32"}), torch.device("cpu")).configure_backends()
     with fused.forced(True):
         if not fused.enabled(torch.zeros(1)):
             why = fused._why_not.get("cpu", "")
