@@ -277,16 +277,23 @@ def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.Monke
 
 @pytest.mark.kernels("blocks")
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
-def test_2d_tiles(fmt: BlockFormat) -> None:
+def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rounding mode on tiles in several layouts, one kernel graph each: a single row of tiles
+    (a classifier head's weight, here 10 rows) runs with a row of zero tiles under it rather than
+    compiling its kernel again."""
+    as_a_fresh_process(monkeypatch)
     w = adversarial(48, 40, seed=10)  # 3 x 3 tiles of 16, or 2 x 2 of 32, padded
     w4 = adversarial(24, 40, seed=11).view(24, 40, 1, 1).permute(2, 3, 0, 1)  # a conv weight's (kh, kw, out, in) view
-    for x in (w, w4):
+    head = adversarial(10, 40, seed=12)  # one row of tiles in either format
+    for x in (w, w4, head):
         assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, block_2d=True)))
         a, b = stream_pair()
         got = fused.quantize_blocks(x, fmt, stochastic=True, generator=a, block_2d=True)
         with fused.reference():
             want = fused.quantize_blocks(x, fmt, stochastic=True, generator=b, block_2d=True)
         assert_same(got, want)
+    tiles = {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items() if k.startswith("tiles")}
+    assert len(tiles) == 2 and set(tiles.values()) == {1}, tiles
 
 
 # --------------------------------------------------------------------------------------------

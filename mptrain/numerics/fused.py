@@ -432,11 +432,17 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     if block_2d:
         *lead, r, c = x.shape
         er, ec = -r % bs, -c % bs
-        xp = torch.nn.functional.pad(x, (0, ec, 0, er)) if er or ec else x
+        x2 = (torch.nn.functional.pad(x, (0, ec, 0, er)) if er or ec else x).reshape(-1, c + ec)
+        # A single row of tiles (a layer of at most bs outputs: a classifier's head) compiled the kernel
+        # a second time, dynamo specializing a dim of size 1: a row of zero tiles goes under it and is
+        # cut off after. Zeros move neither the tensor's amax nor a real element's draw (counted from
+        # the first row).
+        one_row = x2.shape[0] == bs
+        if one_row:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, bs))
         keys, counter = _stream(x, stochastic, generator)
-        local, t_scale = _call("tiles", _opts(kind, stochastic), xp.reshape(-1, c + ec), pf, pi, kind, keys,
-                               counter)[:2]
-        local = local.view(*lead, r + er, c + ec)
+        local, t_scale = _call("tiles", _opts(kind, stochastic), x2, pf, pi, kind, keys, counter)[:2]
+        local = (local[:bs] if one_row else local).view(*lead, r + er, c + ec)
         return (local[..., :r, :c] if er or ec else local), t_scale
     cpu = x.device.type == "cpu"
     if torch.compiler.is_compiling():  # sizes may be symbolic: planned every time
