@@ -735,6 +735,34 @@ def test_the_frozen_heap_run_in_prose_is_its_data() -> None:
     ])
 
 
+def test_the_run_flags_run_in_prose_is_its_data() -> None:
+    """The notes' run after test_fused's kernels compiled under a run's flags (d38ff21) against the
+    run at ab9e9ae, and the clean-clone CI run at 8bb2f2f: from their own records."""
+    counts, wall, old_wall, new, old = plugin_runs("d38ff21", "ab9e9ae")
+    engine = "test_fused.py::test_runs_through_the_engine_match_the_reference_and_report_compile_time"
+    runs = [json.loads((ROOT / "docs" / "benchmarks" / f"cpu-2026-11-27-avx2-suite-compile-{c}.json").read_text())
+            for c in ("d38ff21", "ab9e9ae")]
+    times = [{t[0]: t[1] for w in r["workers"].values() for t in w["tests"]} for r in runs]
+    (nv, hy), (old_nv, old_hy) = ([t[f"tests/{engine}[{m}]"] for m in ("nvfp4", "hybrid")] for t in times)
+    assert nv < old_nv / 2 and hy < old_hy / 2
+    lanes = ci_lanes(ROOT / "docs" / "benchmarks" / "cpu-2026-11-27-avx2-ci-8bb2f2f.log")
+    earlier = [ci_lanes(ROOT / "docs" / "benchmarks" / f"cpu-2026-11-27-avx2-ci-{c}.log")[0][1]
+               for c in ("ec6915f", "fa63127", "ab9e9ae")]
+    assert lanes[0][1] > max(earlier)  # "took longer than in the three earlier CI logs"
+    assert_in_suite_notes([
+        f"finished {old_wall - wall:.0f} s sooner than at ab9e9ae",
+        f"{counts} in {minutes(wall)}, against {minutes(old_wall)} at ab9e9ae",
+        f"took {nv:.0f} s (NVFP4) and {hy:.0f} s (FP8 hybrid) against {old_nv:.0f} s and {old_hy:.0f} s",
+        f"Inductor compiled {new['graphs']} graphs with {new['codes']} distinct FX codes, {new['both']} of them on "
+        f"both workers ({old['graphs']}, {old['codes']} and {old['both']} at ab9e9ae)",
+        f"{new['compiled']:,.0f} s in torch.compile ({old['compiled']:,.0f} s) and {new['backend']:,.0f} s in "
+        f"AOTAutograd and inductor ({old['backend']:,.0f} s); all tests together took {new['total']:,.0f} s of "
+        f"worker time against {old['total']:,.0f} s",
+        f"exited 0: {lanes[0][0]} in {minutes(lanes[0][1])} on torch 2.11, and {lanes[1][0]} in "
+        f"{minutes(lanes[1][1])} on 2.15",
+    ])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""

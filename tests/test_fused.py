@@ -41,9 +41,9 @@ from mptrain.numerics.rounding_rng import RoundingStream
 @pytest.fixture(autouse=True)
 def _fused_on() -> Any:
     # Torch's process-wide flags as a run sets them (trainer.deterministic=false, TF32 off): inductor's
-    # cache keys include them, so a kernel these tests compile is the one an engine run in this
-    # process (below, tests/test_syncs.py) loads from the cache, not compiles again (the same graph
-    # was compiled twice in a worker: ~40 s of a cold two-worker run).
+    # cache keys include them, so a kernel these tests compile is one that a later engine run in this
+    # process (this file's, tests/test_syncs.py's) loads from the cache rather than compiles again:
+    # ~40 s of a cold two-worker run (docs/benchmarks/cpu-2026-11-27-avx2-suite.md).
     set_deterministic(False)
     build_precision(OmegaConf.create({"name": "fp32"}), torch.device("cpu")).configure_backends()
     with fused.forced(True):
