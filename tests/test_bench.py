@@ -763,6 +763,17 @@ def test_the_run_flags_run_in_prose_is_its_data() -> None:
     ])
 
 
+def test_the_fused_tests_on_the_oldest_torch_in_prose_are_their_log() -> None:
+    """The notes' two runs of tests/test_fused.py alone on torch 2.11, before and after d38ff21 and
+    8bb2f2f: from their log."""
+    text = (ROOT / "docs" / "benchmarks" / "cpu-2026-11-27-avx2-test-fused-min-torch.log").read_text()
+    runs = dict(re.findall(r"^(\w+): \d+ passed, \d+ skipped, \d+ warnings in ([\d.]+)s \(\S+\)$", text, re.M))
+    assert list(runs) == ["e6f5477", "c51a145"]
+    before, after = (float(runs[c]) for c in runs)
+    assert after < before  # "did not slow that file"
+    assert_in_suite_notes([f"took {minutes(before)} at e6f5477 and {minutes(after)} at c51a145"])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
