@@ -433,9 +433,9 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         *lead, r, c = x.shape
         er, ec = -r % bs, -c % bs
         x2 = (torch.nn.functional.pad(x, (0, ec, 0, er)) if er or ec else x).reshape(-1, c + ec)
-        # A single row of tiles (a layer of at most bs outputs: a classifier's head) compiled the kernel
-        # a second time, dynamo specializing a dim of size 1: a row of zero tiles goes under it and is
-        # cut off after. Zeros move neither the tensor's amax nor a real element's draw (counted from
+        # A single row of tiles (a layer of at most bs outputs: a classifier's head) would compile the
+        # kernel a second time, dynamo specializing a dim of size 1: a row of zero tiles goes under it
+        # and is cut off after. Zeros move neither the tensor's amax nor a real element's draw (counted from
         # the first row).
         one_row = x2.shape[0] == bs
         if one_row:
