@@ -46,19 +46,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fused quantizers' tests compile graphs that only the process which traced them can call again
     (dynamo's work is per process, and inductor's disk cache serves another worker only once a graph
     is written), so a family of kernels split across two workers is compiled twice: 38 of 70 graph
-    codes were, in a cold two-worker run (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Each family
-    (``@pytest.mark.kernels``) goes to the head of a share of its own, where stealing, which takes
-    the tail, leaves it; the other tests keep their order. Reordering only: no test depends on
-    another's order. (Workers collect, and see their count in the environment: xdist resets their
-    -n and --dist options.)"""
+    codes were, in a cold two-worker run (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Likewise a
+    module fixture that launches torchrun or a multirun is built once per worker that runs one of its
+    tests: tests/test_fsdp2.py's two launches, ~75 s of a cold run on torch 2.11, were built twice.
+    Each family (``@pytest.mark.kernels``, ``@pytest.mark.shared``) goes to the head of a share
+    (the largest ones to shares of their own), where stealing, which takes the tail, leaves it; the
+    other tests keep their order. Reordering only: no test depends on another's order. (Workers
+    collect, and see their count in the environment: xdist resets their -n and --dist options.)"""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2:
         return
     families: dict[str, list[pytest.Item]] = {}
     rest: list[pytest.Item] = []
     for item in items:
-        mark = item.get_closest_marker("kernels")
-        (families.setdefault(mark.args[0], []) if mark else rest).append(item)
+        mark = item.get_closest_marker("kernels") or item.get_closest_marker("shared")
+        (families.setdefault(f"{mark.name}:{mark.args[0]}", []) if mark else rest).append(item)
     if not families:  # a run of other tests only
         return
     # The scheduler's first split: worker k gets len(pending) // (workers - k) of what is left.

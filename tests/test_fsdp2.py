@@ -34,7 +34,9 @@ from mptrain.config import validate
 from mptrain.errors import MptrainError
 from mptrain.parallel import fsdp2_available, has_param_dtype_override, shard_policy, unit_names
 
-pytestmark = pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed.fsdp.fully_shard (torch>=2.6)")
+# shared: the module fixtures below are torchrun launches; on one xdist worker they are built once.
+pytestmark = [pytest.mark.skipif(not fsdp2_available(), reason="needs torch.distributed.fsdp.fully_shard (torch>=2.6)"),
+              pytest.mark.shared("fsdp2")]
 
 TESTS = Path(__file__).parent
 SMALL = ["model=transformer_lm_tiny", "model.d_model=32", "model.num_layers=2", "model.num_heads=2",

@@ -48,6 +48,7 @@ def ppl(sweep: Path, precision: str) -> dict[int, float]:
     return out
 
 
+@pytest.mark.shared("verdicts sweep")  # one multirun, built once
 def test_a_multirun_gets_one_verdict_per_cell_checked_against_scipy(sweep, capsys) -> None:
     assert report.main([str(sweep), "--verdicts", "--margin", "1%"]) == 0
     printed = capsys.readouterr().out
@@ -91,6 +92,7 @@ def test_a_multirun_gets_one_verdict_per_cell_checked_against_scipy(sweep, capsy
     assert mx["unit"] == "ppl" and not (out / "verdicts.png").exists()
 
 
+@pytest.mark.shared("verdicts sweep")  # one multirun, built once
 def test_an_unpaired_run_is_named_and_left_out(sweep, tmp_path) -> None:
     copy = tmp_path / "sweep"
     shutil.copytree(sweep, copy, ignore=shutil.ignore_patterns("checkpoints", "events.*", "verdicts.*"))
