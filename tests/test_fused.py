@@ -296,6 +296,28 @@ def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(tiles) == 2 and set(tiles.values()) == {1}, tiles
 
 
+@pytest.mark.kernels("blocks")
+def test_a_new_trace_of_the_block_and_tile_kernels_loads_from_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a new process pays for kernels an earlier one compiled: dynamo traces them again, and
+    AOTAutograd and inductor load what they built from their on-disk caches. Torch 2.11's AOTAutograd
+    cache refused these kernels, which call torch._check, unless inductor's options name it cacheable
+    (compiled_calls._CACHEABLE); later torch caches them either way."""
+    from torch._dynamo.utils import counters
+
+    x = adversarial(64, 96, seed=14)
+    fmt = BLOCK_FORMATS["nvfp4"]
+    calls = (lambda: fused.quantize_blocks(x, fmt, 1), lambda: fused.quantize_blocks(x, fmt, block_2d=True))
+    for call in calls:
+        call()  # compiled here, or by an earlier test
+    as_a_fresh_process(monkeypatch)
+    before = dict(counters["aot_autograd"])
+    for call in calls:
+        assert_same(*both(call))
+    after = counters["aot_autograd"]
+    assert after["autograd_cache_bypass"] == before.get("autograd_cache_bypass", 0)
+    assert after["autograd_cache_hit"] - before.get("autograd_cache_hit", 0) == len(calls)
+
+
 # --------------------------------------------------------------------------------------------
 # FP8: per-tensor and row-wise scales
 

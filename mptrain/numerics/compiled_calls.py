@@ -43,6 +43,15 @@ _EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.dis
                    "emulate_precision_casts": True}
 
 
+# The block and tile kernels tell the compiler that a length is a multiple of the block
+# (torch._check). Torch 2.11's AOTAutograd cache refuses any graph that calls it ("Unsupported
+# call_function target _check"), so each new trace of such a kernel (every process start, a fresh
+# table) ran AOTAutograd again: 2-3 s a kernel against 0.1-1 s from the cache. torch._check's effect
+# is fixed by its argument, which is in the graph and so in the cache key; inductor's option names
+# it cacheable (later torch caches these graphs by itself).
+_CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__version__}}
+
+
 class _Unfused(Exception):
     """This call cannot run compiled (a torch.Generator, a kernel past dynamo's recompile limit)."""
 
@@ -52,7 +61,7 @@ class _Inductor(torch._TorchCompileInductorWrapper):  # type: ignore[misc, name-
     compiles with its compiled function, and which of them ran last (``_Direct``)."""
 
     def __init__(self, options: dict[str, Any]) -> None:
-        super().__init__(None, options, None)
+        super().__init__(None, {**_CACHEABLE, **options}, None)
         self.graphs: list[tuple[torch.fx.GraphModule, Callable[..., Any]]] = []
         self.ran: int | None = None
 
