@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY
+from gloo_workers import agree_worker
 from test_engine import scalars
 
 from mptrain import checkpoint, distributed
@@ -179,24 +180,10 @@ def test_ranks_make_the_same_skip_decision_under_amp_fp16(tmp_path):
     assert s["skipped_steps"] == 1 and s["final_loss_scale"] == 512.0
 
 
-def _agree_worker(rank: int, init_file: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from mptrain.numerics.adaptive_scaling import AdaptiveScaler
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    scaler = AdaptiveScaler(torch.device("cpu"))
-    scaler.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)))
-    mine = torch.tensor(8.0 if rank == 0 else 2.0)  # each rank's own choice from its own gradients
-    Path(out, f"rank{rank}").write_text(str(float(scaler._agree(mine))))
-    dist.destroy_process_group()
-
-
 def test_adaptive_agreement_takes_the_minimum_over_ranks(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_agree_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    mp.spawn(agree_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     assert (tmp_path / "rank0").read_text() == (tmp_path / "rank1").read_text() == "2.0"
 
 
