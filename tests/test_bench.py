@@ -774,6 +774,60 @@ def test_the_fused_tests_on_the_oldest_torch_in_prose_are_their_log() -> None:
     assert_in_suite_notes([f"took {minutes(before)} at e6f5477 and {minutes(after)} at c51a145"])
 
 
+def test_the_oldest_torch_runs_in_prose_are_their_data() -> None:
+    """The notes' two cold plugin runs on torch 2.11 (2026-11-28), before and after the AOTAutograd
+    cache option, the shared module fixtures and the light spawn module: from their own records."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    runs, logs = {}, {}
+    for commit in ("02e58bf", "12a5b52"):
+        data = json.loads((bench_dir / f"cpu-2026-11-28-avx2-suite-compile-min-torch-{commit}.json").read_text())
+        log = (bench_dir / f"cpu-2026-11-28-avx2-suite-min-torch-2-workers-cold-{commit}.log").read_text()
+        last = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)",
+                            log.strip().splitlines()[-1])
+        assert last and data["meta"]["torch"] == "2.11.0"
+        assert (data["meta"]["counts"], data["meta"]["wall_s"]) == (last[1], float(last[2]))
+        runs[commit], logs[commit] = data, log
+    old, new = (suite_compile_stats(runs[c]) for c in runs)
+
+    def again(data: dict) -> tuple[int, float]:  # graphs whose code the same worker compiled before
+        found = [g[2] for w in data["workers"].values() for i, g in enumerate(w["graphs"])
+                 if g[1] in {h[1] for h in w["graphs"][:i]}]
+        return len(found), sum(found)
+
+    def test_time(data: dict, name: str) -> float:
+        return next(t[1] for w in data["workers"].values() for t in w["tests"] if t[0] == f"tests/{name}")
+
+    def fsdp2_setups(log: str) -> list[float]:
+        return [float(s) for s in re.findall(r"^([\d.]+)s setup +tests/test_fsdp2\.py::", log, re.M)]
+
+    agree = "test_distributed.py::test_adaptive_agreement_takes_the_minimum_over_ranks"
+    (n_old, s_old), (n_new, s_new) = again(runs["02e58bf"]), again(runs["12a5b52"])
+    split, whole = fsdp2_setups(logs["02e58bf"]), fsdp2_setups(logs["12a5b52"])
+    assert sorted(split, reverse=True)[:3] == pytest.approx([75.74, 43.74, 38.38])  # the launches built twice
+    assert sorted(whole, reverse=True)[:2] == pytest.approx([45.92, 30.81]) and len(whole) == len(split) - 1
+    d38 = json.loads((bench_dir / "cpu-2026-11-27-avx2-suite-compile-d38ff21.json").read_text())
+    linear = "test_fused.py::test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly"
+    graphs = [[g[2] for w in d["workers"].values() for g in w["graphs"] if g[0] == f"tests/{linear}"]
+              for d in (runs["12a5b52"], d38)]
+    counts, wall = (runs["12a5b52"]["meta"][k] for k in ("counts", "wall_s"))
+    old_counts, old_wall = (runs["02e58bf"]["meta"][k] for k in ("counts", "wall_s"))
+    assert_in_suite_notes([
+        f"compiled {n_old} graphs whose code the same worker had compiled before, and they took {s_old:.1f} s",
+        "setups of {:.0f} s, {:.0f} s and {:.0f} s".format(*sorted(split)[-3:]),
+        f"That file took {old['by_file']['test_fsdp2.py']:.0f} s of worker time",
+        f"{counts} in {minutes(wall)}, against {old_counts} in {minutes(old_wall)} at 02e58bf",
+        f"{n_new} in {s_new:.1f} s, against {n_old} in {s_old:.1f} s",
+        f"`tests/test_fsdp2.py` took {new['by_file']['test_fsdp2.py']:.0f} s of worker time against "
+        f"{old['by_file']['test_fsdp2.py']:.0f} s; the agreement test {test_time(runs['12a5b52'], agree):.1f} s "
+        f"against {test_time(runs['02e58bf'], agree):.1f} s",
+        f"All tests together took {new['total']:,.0f} s of worker time against {old['total']:,.0f} s; torch.compile "
+        f"{new['compiled']:,.0f} s against {old['compiled']:,.0f} s",
+        f"{new['compiled']:,.0f} s of the {new['total']:,.0f}",
+        f"{graphs[0][0]:.1f} s and {graphs[0][1]:.1f} s in AOTAutograd and inductor on 2.11, against "
+        f"{graphs[1][0]:.1f} s and {graphs[1][1]:.1f} s on 2.15",
+    ])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
