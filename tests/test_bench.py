@@ -828,6 +828,24 @@ def test_the_oldest_torch_runs_in_prose_are_their_data() -> None:
     ])
 
 
+def test_the_ci_run_at_0dec5cb_in_prose_is_its_log() -> None:
+    """The notes' clean-clone CI run at 0dec5cb, against the range of the four earlier CI logs."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    (c11, t11), (c15, t15) = ci_lanes(bench_dir / "cpu-2026-11-28-avx2-ci-0dec5cb.log")
+    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log")
+               for c in ("ec6915f", "fa63127", "ab9e9ae", "8bb2f2f")]
+    old11, old15 = ([lanes[k][1] for lanes in earlier] for k in (0, 1))
+    assert min(old11) <= t11 <= max(old11) and min(old15) <= t15 <= max(old15)  # "inside the range"
+    assert t11 > 600 and t15 > 600  # "Neither lane is under 10 minutes"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"as at 0dec5cb ({minutes(t11)} and {minutes(t15)})" in readme
+    assert_in_suite_notes([
+        f"exited 0: {c11} in {minutes(t11)} on torch 2.11, and {c15} in {minutes(t15)} on 2.15",
+        f"({minutes(min(old11))} to {minutes(max(old11))} on 2.11, {minutes(min(old15))} to {minutes(max(old15))} on "
+        "2.15)",
+    ])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
