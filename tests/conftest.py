@@ -48,7 +48,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     is written), so a family of kernels split across two workers is compiled twice: 38 of 70 graph
     codes were, in a cold two-worker run (docs/benchmarks/cpu-2026-11-27-avx2-suite.md). Likewise a
     module fixture that launches torchrun or a multirun is built once per worker that runs one of its
-    tests: tests/test_fsdp2.py's two launches, ~75 s of a cold run on torch 2.11, were built twice.
+    tests: tests/test_fsdp2.py's two launches were built on both workers of a cold run on torch 2.11,
+    a setup of 76 s more.
     Each family (``@pytest.mark.kernels``, ``@pytest.mark.shared``) goes to the head of a share
     (the largest ones to shares of their own), where stealing, which takes the tail, leaves it; the
     other tests keep their order. Reordering only: no test depends on another's order. (Workers
