@@ -781,18 +781,11 @@ def test_the_oldest_torch_runs_in_prose_are_their_data() -> None:
     runs, logs = {}, {}
     for commit in ("02e58bf", "12a5b52"):
         data = json.loads((bench_dir / f"cpu-2026-11-28-avx2-suite-compile-min-torch-{commit}.json").read_text())
-        log = (bench_dir / f"cpu-2026-11-28-avx2-suite-min-torch-2-workers-cold-{commit}.log").read_text()
-        last = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)",
-                            log.strip().splitlines()[-1])
-        assert last and data["meta"]["torch"] == "2.11.0"
-        assert (data["meta"]["counts"], data["meta"]["wall_s"]) == (last[1], float(last[2]))
-        runs[commit], logs[commit] = data, log
+        name = f"min-torch-2-workers-cold-{commit}"
+        assert data["meta"]["torch"] == "2.11.0"
+        assert (data["meta"]["counts"], data["meta"]["wall_s"]) == suite_log_result(name, "2026-11-28")
+        runs[commit], logs[commit] = data, (bench_dir / f"cpu-2026-11-28-avx2-suite-{name}.log").read_text()
     old, new = (suite_compile_stats(runs[c]) for c in runs)
-
-    def again(data: dict) -> tuple[int, float]:  # graphs whose code the same worker compiled before
-        found = [g[2] for w in data["workers"].values() for i, g in enumerate(w["graphs"])
-                 if g[1] in {h[1] for h in w["graphs"][:i]}]
-        return len(found), sum(found)
 
     def test_time(data: dict, name: str) -> float:
         return next(t[1] for w in data["workers"].values() for t in w["tests"] if t[0] == f"tests/{name}")
@@ -801,7 +794,7 @@ def test_the_oldest_torch_runs_in_prose_are_their_data() -> None:
         return [float(s) for s in re.findall(r"^([\d.]+)s setup +tests/test_fsdp2\.py::", log, re.M)]
 
     agree = "test_distributed.py::test_adaptive_agreement_takes_the_minimum_over_ranks"
-    (n_old, s_old), (n_new, s_new) = again(runs["02e58bf"]), again(runs["12a5b52"])
+    (n_old, s_old), (n_new, s_new) = ((sum(r["again"].values()), r["again_s"]) for r in (old, new))
     split, whole = fsdp2_setups(logs["02e58bf"]), fsdp2_setups(logs["12a5b52"])
     assert sorted(split, reverse=True)[:3] == pytest.approx([75.74, 43.74, 38.38])  # the launches built twice
     assert sorted(whole, reverse=True)[:2] == pytest.approx([45.92, 30.81]) and len(whole) == len(split) - 1
@@ -895,9 +888,9 @@ def compile_comparison(new: dict, old: dict, before: str) -> list[str]:
     ]
 
 
-def suite_log_result(name: str) -> tuple[str, float]:
-    """A suite log's last line (docs/benchmarks/cpu-2026-11-27-avx2-suite-NAME.log): its counts, seconds."""
-    last = (ROOT / "docs" / "benchmarks" / f"cpu-2026-11-27-avx2-suite-{name}.log").read_text().strip().splitlines()[-1]
+def suite_log_result(name: str, date: str = "2026-11-27") -> tuple[str, float]:
+    """A suite log's last line (docs/benchmarks/cpu-DATE-avx2-suite-NAME.log): its counts, seconds."""
+    last = (ROOT / "docs" / "benchmarks" / f"cpu-{date}-avx2-suite-{name}.log").read_text().strip().splitlines()[-1]
     found = re.fullmatch(r"(\d+ passed, \d+ skipped)(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
     assert found, last
     return found[1], float(found[2])
@@ -910,19 +903,20 @@ def minutes(seconds: float) -> str:
 def suite_compile_stats(data: dict) -> dict:
     """A ``scripts/suite_compile_times.py`` run's sums: worker time in tests, in torch.compile (test_fused's
     part), in the fused tests (test_fused, test_syncs); graphs, distinct FX codes, codes on both workers,
-    same-worker recompiles by test, and AOTAutograd and inductor's time."""
+    same-worker recompiles by test and their seconds, and AOTAutograd and inductor's time."""
     workers = data["workers"].values()
     tests = [t for w in workers for t in w["tests"]]
     codes = [{g[1] for g in w["graphs"]} for w in workers]
     graphs = [g for w in workers for g in w["graphs"]]
+    again = [g for w in workers for i, g in enumerate(w["graphs"]) if g[1] in {h[1] for h in w["graphs"][:i]}]
     return {
         "total": sum(t[1] for t in tests),
         "compiled": sum(t[2] for t in tests if t[2] > 0),  # < 0: a dynamo reset
         "fused": sum(t[2] for t in tests if t[2] > 0 and t[0].startswith("tests/test_fused.py")),
         "kernel_tests": sum(t[1] for t in tests if t[0].startswith(("tests/test_fused.py", "tests/test_syncs.py"))),
         "graphs": len(graphs), "codes": len(set.union(*codes)), "both": len(set.intersection(*codes)),
-        "again": Counter(g[0].split("::")[1].split("[")[0] for w in workers
-                         for i, g in enumerate(w["graphs"]) if g[1] in {h[1] for h in w["graphs"][:i]}),
+        "again": Counter(g[0].split("::")[1].split("[")[0] for g in again),
+        "again_s": sum(g[2] for g in again),
         "backend": sum(g[2] for g in graphs),
         "by_file": Counter({f: sum(t[1] for t in tests if t[0].startswith(f"tests/{f}")) for f in
                             {t[0].split("/")[1].split("::")[0] for t in tests}}),
