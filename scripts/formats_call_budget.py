@@ -82,7 +82,7 @@ def floor_us() -> dict[str, float]:
     fmt = mx.BLOCK_FORMATS["mxfp8"]
     x3 = torch.randn(1, 32, 1)
     pf, pi = fused_kernels._elem(fmt.element, x3.device)
-    options = fused._plan_blocks(x3, 1, "mx32", False, True).options
+    options = fused._plan_blocks(x3, 1, "mx32", False, True, False).options
     args = (pf, pi, "mx32", False, None, None, None)  # as a step calls it: no rotation
     compiled_calls._call("blocks", options, x3, *args)  # compiles, and marks the dims dynamic as a step's calls do
     kernel = compiled_calls._entries["blocks", options, x3.shape, x3.dtype, x3.device].kernel

@@ -209,6 +209,26 @@ def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
         assert int(a.counter) == int(b.counter) == 1  # one draw each
 
 
+@pytest.mark.kernels("blocks")
+def test_exactly_one_block_along_the_dim_compiles_no_second_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exactly one block along the dim (NVFP4's 16 channels at a 4x4 map) runs in the kernel of a dim
+    under one block, to nearest and stochastic, as the reference would: viewed as blocks in the
+    longer dims' kernel, two of its strides were equal there, and dynamo's guard on their order
+    compiled that kernel a second time (fused._plan_blocks)."""
+    as_a_fresh_process(monkeypatch)
+    fmt = BLOCK_FORMATS["nvfp4"]
+    for channels in (32, 16, 8):
+        x = adversarial(8, channels * 16, seed=channels).view(8, channels, 4, 4)
+        assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, 1)))
+        a, b = stream_pair()
+        got = fused.quantize_blocks(x, fmt, 1, stochastic=True, generator=a)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, 1, stochastic=True, generator=b)
+        assert_same(got, want)
+    graphs = {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items()}
+    assert len(graphs) == 4 and set(graphs.values()) == {1}, graphs
+
+
 # NVFP4's recipe is the one that rotates by default; the MX kernel's rotation is held to the reference
 # by the full-recipe Linear and Conv2d tests (their MX cases rotate wgrad's operands too).
 @pytest.mark.kernels("blocks")
@@ -280,13 +300,17 @@ def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.Monke
 def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rounding mode on tiles in several layouts, one kernel graph each: a single row of tiles
     (a classifier head's weight, here 10 rows) runs with a row of zero tiles under it rather than
-    compiling its kernel again."""
+    compiling its kernel again, and, rounded to nearest, a single column (10 inputs) with a column
+    of zero tiles beside it."""
     as_a_fresh_process(monkeypatch)
     w = adversarial(48, 40, seed=10)  # 3 x 3 tiles of 16, or 2 x 2 of 32, padded
     w4 = adversarial(24, 40, seed=11).view(24, 40, 1, 1).permute(2, 3, 0, 1)  # a conv weight's (kh, kw, out, in) view
     head = adversarial(10, 40, seed=12)  # one row of tiles in either format
-    for x in (w, w4, head):
+    column = adversarial(40, 10, seed=13)  # one column: stochastic rounding compiles it again (fused._blocks)
+    for x in (w, w4, head, column):
         assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, block_2d=True)))
+        if x is column:
+            continue
         a, b = stream_pair()
         got = fused.quantize_blocks(x, fmt, stochastic=True, generator=a, block_2d=True)
         with fused.reference():

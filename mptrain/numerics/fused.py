@@ -431,12 +431,16 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     pf, pi = _elem(fmt.element, x.device)
     if block_2d:
         *lead, r, c = x.shape
-        er, ec = -r % bs, -c % bs
+        # A single column of tiles (a layer of at most bs inputs: a 1x1 convolution on 8 channels)
+        # would compile the kernel a second time: there the row stride equals the tile's, and dynamo
+        # guards their order. Rounded to nearest, it gets a column of zero tiles beside it, cut off
+        # after; stochastic rounding cannot, as its draws are numbered along each row of tiles.
+        one_col = c <= bs and not stochastic
+        er, ec = -r % bs, -c % bs + (bs if one_col else 0)
         x2 = (torch.nn.functional.pad(x, (0, ec, 0, er)) if er or ec else x).reshape(-1, c + ec)
-        # A single row of tiles (a layer of at most bs outputs: a classifier's head) would compile the
-        # kernel a second time, dynamo specializing a dim of size 1: a row of zero tiles goes under it
-        # and is cut off after. Zeros move neither the tensor's amax nor a real element's draw (counted from
-        # the first row).
+        # A single row of tiles (a layer of at most bs outputs: a classifier's head) would too, dynamo
+        # specializing a dim of size 1: a row of zero tiles goes under it and is cut off after. Zeros
+        # move neither the tensor's amax nor a real element's draw (counted from the first row).
         one_row = x2.shape[0] == bs
         if one_row:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, bs))
@@ -446,9 +450,9 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         return (local[..., :r, :c] if er or ec else local), t_scale
     cpu = x.device.type == "cpu"
     if torch.compiler.is_compiling():  # sizes may be symbolic: planned every time
-        plan = _plan_blocks(x, dim, kind, stochastic, cpu)
+        plan = _plan_blocks(x, dim, kind, stochastic, cpu, rot is not None)
     else:
-        plan = _cached_plan(x.shape, x.stride(), dim, kind, stochastic, cpu)
+        plan = _cached_plan(x.shape, x.stride(), dim, kind, stochastic, cpu, rot is not None)
     if plan.narrow:
         # Blocks along the last dim instead: the draws keep their order (element (a, i, b) of the
         # (A, n, B) view is draw (a * B + b) * n + i either way), and so does every result.
@@ -487,13 +491,13 @@ class _BlockPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=4096)
 def _cached_plan(shape: torch.Size, stride: tuple[int, ...], dim: int, kind: str, stochastic: bool,
-                 cpu: bool) -> _BlockPlan:
+                 cpu: bool, rotated: bool) -> _BlockPlan:
     """_plan_blocks, worked out once per operand layout: a step makes hundreds of calls on a few dozen
     layouts, and planning each call took about as long as the call into the kernel."""
-    return _plan_blocks(torch.empty_strided(shape, stride, device="meta"), dim, kind, stochastic, cpu)
+    return _plan_blocks(torch.empty_strided(shape, stride, device="meta"), dim, kind, stochastic, cpu, rotated)
 
 
-def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool) -> _BlockPlan:
+def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool, rotated: bool) -> _BlockPlan:
     layout = _layout(x, dim)
     copy = layout is None
     if layout is None:
@@ -502,8 +506,11 @@ def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool) ->
     _, n, b = layout[3]
     bs = 16 if kind == "nvfp4" else 32
     # Under one block (3 input channels, a narrow layer's 8): no padding, the kernel takes the dim as
-    # one block; else padded, once, so that the kernels never mask.
-    short = n < bs
+    # one block; else padded, once, so that the kernels never mask. Exactly one block goes the short
+    # way too: as (A, n / bs, bs, B), the block index's stride equals B's there, and dynamo guarded
+    # their order, compiling the kernel a second time for it. (A rotation views n in blocks either
+    # way, and has no short kernel.)
+    short = n < bs or (n == bs and not rotated)
     pad = 0 if short else -n % bs
     return _BlockPlan(layout, copy, _narrow(b, cpu), short, pad, _opts(kind, stochastic, short))
 
