@@ -40,7 +40,7 @@ from mptrain.config import ClassifierModelConfig, FP8PrecisionConfig, MXPrecisio
 from mptrain.hardware import device_capability
 from mptrain.memory import keep_freed_host_memory
 from mptrain.models import create_model
-from mptrain.numerics import fused, rounding_rng
+from mptrain.numerics import compiled_calls, fused, rounding_rng
 from mptrain.numerics.precision import build_precision
 
 MPTRAIN: dict[str, Any] = {
@@ -143,6 +143,12 @@ def step(m: Mode, x: torch.Tensor, y: torch.Tensor) -> float:
     return loss.item()
 
 
+def graph_counts() -> dict[str, int]:
+    """Graphs compiled so far for each fused kernel variant. A variant's dims are dynamic, so a second
+    graph of one variant means dynamo compiled it again (a guard failed)."""
+    return {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items()}
+
+
 def _copy(v: Any) -> Any:
     """A call's argument for replaying it: tensors cloned (in-place quantizers write into the clone),
     a rounding stream replaced by a fresh one (the run's own stream stays where it was)."""
@@ -220,16 +226,19 @@ def main(argv: list[str] | None = None) -> None:
         modes = args.modes.split(",") + ([f"{m} (eager reference)" for m in REFERENCE] if args.reference else [])
         runs: dict[str, Mode] = {}
         compile_s: dict[str, float] = {}
+        graphs: dict[str, tuple[int, list[str]]] = {}
         for mode in modes:
             built = build(model_name, mode)
             if isinstance(built, str):
                 skipped.append({"model": model_name, "mode": mode, "why": built})
                 print(f"{model_name:17s} {mode:34s} skipped: {built}")
                 continue
-            c0 = fused.compile_seconds()
+            c0, g0 = fused.compile_seconds(), graph_counts()
             for _ in range(args.warmup):
                 step(built, x, y)
-            runs[mode], compile_s[mode] = built, fused.compile_seconds() - c0
+            runs[mode], compile_s[mode], g1 = built, fused.compile_seconds() - c0, graph_counts()
+            graphs[mode] = (sum(g1.values()) - sum(g0.values()),
+                            sorted(k for k, n in g1.items() if n > max(g0.get(k, 0), 1)))  # fmt: skip
         cpu: dict[str, list[float]] = {m: [] for m in runs}
         wall: dict[str, list[float]] = {m: [] for m in runs}
         losses: dict[str, float] = {}
@@ -256,7 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                 "step_ms_cpu": round(1e3 * c, 2), "step_ms_wall": round(1e3 * w, 2),
                 "vs_fp32_cpu": round(c / base_cpu, 3), "vs_fp32_wall": round(w / base_wall, 3),
                 "spread_cpu": round((max(cpu[m]) - min(cpu[m])) / c, 3), "last_loss": round(losses[m], 4),
-                "compile_s": round(compile_s[m], 2), "gap": parts,
+                "compile_s": round(compile_s[m], 2), "graphs": graphs[m][0], "compiled_again": graphs[m][1],
+                "gap": parts,
             })  # fmt: skip
             split = "" if parts["quantizers_ms"] is None else (
                 f" = quantizers {parts['quantizers_ms']:.1f} ({parts['quantizer_calls']} calls) + other "
@@ -307,8 +317,9 @@ def markdown(result: dict[str, Any]) -> str:
         "is emulated in FP32: the ratio is the emulation's cost, not a speed-up any hardware would show.",
         "",
         "| model | batch | mode | quantized GEMM layers | step ms (CPU) | vs fp32 | vs torchao (CPU) | step ms (wall) "
-        "| vs fp32 (wall) | spread | gap to fp32 ms | quantizers ms (calls) | other ms | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs fp32 (wall) | spread | gap to fp32 ms | quantizers ms (calls) | other ms | compile s | graphs "
+        "compiled (again) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         q = "-" if r["quantized_layers"] is None else r["quantized_layers"]
@@ -320,7 +331,7 @@ def markdown(result: dict[str, Any]) -> str:
             f"{p['gap_ms']:.1f} | "
             + ("- | - | " if p["quantizers_ms"] is None else
                f"{p['quantizers_ms']:.1f} ({p['quantizer_calls']}) | {p['other_ms']:.1f} | ")
-            + f"{r['compile_s']:.1f} |"
+            + f"{r['compile_s']:.1f} | {r.get('graphs', '-')} ({len(r.get('compiled_again', []))}) |"
         )
     if result["skipped"]:
         lines += ["", "Not run:", ""] + [f"- {s['model']}, {s['mode']}: {s['why']}" for s in result["skipped"]]
