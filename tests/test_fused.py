@@ -771,20 +771,22 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
 @pytest.mark.kernels("blocks")
 def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct call of a kernel call is built from the graph that dynamo ran for it, among the
-    variant's graphs (here two: n // 32 == 1 compiles a graph of its own), and only when that graph,
-    called directly, returns what dynamo's call returned."""
+    variant's graphs (here two: a single rotated block compiles a graph of its own, fused._plan_blocks),
+    and only when that graph, called directly, returns what dynamo's call returned."""
     as_a_fresh_process(monkeypatch)
-    fmt = BLOCK_FORMATS["mxfp8"]
-    args = (*fused_kernels._elem(fmt.element, torch.device("cpu")), "mx32", False, None, None, None)
-    for cols in (96, 32, 64):  # a dynamic graph, then one for a single block, then the first again
+    fmt = BLOCK_FORMATS["nvfp4"]
+    rot = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
+                               torch.float32)  # fmt: skip
+    args = (*fused_kernels._elem(fmt.element, torch.device("cpu")), "nvfp4", False, None, None, rot)
+    for cols in (96, 16, 64):  # a dynamic graph, then one for a single block, then the first again
         x = adversarial(64, cols, seed=cols)
         for _ in range(2):  # dynamo's call, then the direct one
-            got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1))
+            got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1, rotation=rot))
             assert_same(got, want)
     x3 = x.view(64, 64, 1)
-    entry = compiled_calls._entries["blocks", "mx32ff", x3.shape, x3.dtype, x3.device]
-    assert compiled_calls._directs["blocks", "mx32ff", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
-                          args[1].shape, "mx32", False, None, None, None]  # fmt: skip
+    entry = compiled_calls._entries["blocks", "nvfp4ffr", x3.shape, x3.dtype, x3.device]
+    assert compiled_calls._directs["blocks", "nvfp4ffr", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
+                          args[1].shape, "nvfp4", False, None, None, rot.shape]  # fmt: skip
     with torch.no_grad():  # as _call runs it: grad mode is one of dynamo's guards
         out = entry.kernel(x3, *args)
     (gm, fn), (gm_one, fn_one) = entry.backend.graphs
