@@ -847,6 +847,23 @@ def test_the_ci_runs_of_2026_11_28_in_prose_are_their_logs() -> None:
     ])
 
 
+def test_the_ci_run_at_471bbd9_in_prose_is_its_log() -> None:
+    """The suite notes' clean-clone CI run at 471bbd9, against the range of the seven earlier CI logs."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    (c11, t11), (c15, t15) = ci_lanes(bench_dir / "cpu-2026-11-28-avx2-ci-471bbd9.log")
+    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in ("ec6915f", "fa63127", "ab9e9ae",
+                                                                                 "8bb2f2f")]  # fmt: skip
+    earlier += [ci_lanes(bench_dir / f"cpu-2026-11-28-avx2-ci-{c}.log") for c in ("0dec5cb", "a9988ff", "2fdbc5e")]
+    old11, old15 = ([lanes[k][1] for lanes in earlier] for k in (0, 1))
+    assert min(old11) <= t11 <= max(old11) and t15 > max(old15)  # "inside the range", "slower than all seven"
+    assert t11 > 600 and t15 > 600  # "Neither lane is under 10 minutes"
+    assert_in_suite_notes([
+        f"exited 0: {c11} in {minutes(t11)} on torch 2.11, and {c15} in {minutes(t15)} on 2.15",
+        f"the seven earlier CI logs here ({minutes(min(old11))} to {minutes(max(old11))})",
+        f"slower than all seven ({minutes(min(old15))} to {minutes(max(old15))})",
+    ])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
