@@ -484,7 +484,7 @@ class _BlockPlan(NamedTuple):
     layout: _Layout  # of x, or of its contiguous copy
     copy: bool  # x has no (A, n, B) view: a contiguous copy first
     narrow: bool  # blocks along the last dim of a copy instead (_CPU_MIN_INNER)
-    short: bool  # n under one block: one block, unpadded
+    short: bool  # n at most one block (exactly one only unrotated): one block, unpadded
     pad: int  # zeros appended to n, up to a multiple of the block
     options: str  # the kernel's static options
 

@@ -233,7 +233,7 @@ def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
 def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
               counter: Tensor | None, rot: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
-    multiple of the block (the caller pads), or, ``short``, N under one block: one block, its
+    multiple of the block (the caller pads), or, ``short``, N at most one block: one block, any
     zero padding left out (it changes no amax). Uniforms follow the reference's layout,
     x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N.
     ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory."""
