@@ -864,6 +864,31 @@ def test_the_ci_run_at_471bbd9_in_prose_is_its_log() -> None:
     ])
 
 
+def test_the_plugin_run_at_7845f41_in_prose_is_its_data() -> None:
+    """The suite notes' cold torch 2.11 plugin run at 7845f41 against the one at 12a5b52, from both
+    records and logs."""
+    counts, wall = suite_log_result("min-torch-2-workers-cold-7845f41", date="2026-11-28")
+    _, old_wall = suite_log_result("min-torch-2-workers-cold-12a5b52", date="2026-11-28")
+    bench_dir = ROOT / "docs" / "benchmarks"
+    data = json.loads((bench_dir / "cpu-2026-11-28-avx2-suite-compile-min-torch-7845f41.json").read_text())
+    assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
+    new, old = (suite_compile_stats(json.loads((bench_dir / f"cpu-2026-11-28-avx2-suite-compile-min-torch-{c}.json")
+                                               .read_text())) for c in ("7845f41", "12a5b52"))  # fmt: skip
+
+    def test_s(d: dict, name: str) -> float:
+        return sum(t[1] for w in d["workers"].values() for t in w["tests"] if t[0] == name)
+
+    old_data = json.loads((bench_dir / "cpu-2026-11-28-avx2-suite-compile-min-torch-12a5b52.json").read_text())
+    one = test_s(data, "tests/test_fused.py::test_exactly_one_block_along_the_dim_compiles_no_second_graph")
+    rot = "tests/test_fused.py::test_blocks_rotated_inside_their_kernel"
+    assert_in_suite_notes([
+        f"{counts} in {minutes(wall)}, against {minutes(old_wall)} at 12a5b52",
+        f"took {new['total']:,.0f} s of worker time against {old['total']:,.0f} s, torch.compile "
+        f"{new['compiled']:.0f} s against {old['compiled']:.0f} s. The new test took {one:.1f} s of it, and the "
+        f"rotated-block test {test_s(data, rot) - test_s(old_data, rot):.1f} s more",
+    ])
+
+
 def plugin_runs(commit: str, before: str) -> tuple[str, float, float, dict, dict]:
     """Two cold ``scripts/suite_compile_times.py`` runs (docs/benchmarks), at ``commit`` and at
     ``before``: the first's counts and wall time, the second's wall time, and both runs' sums."""
