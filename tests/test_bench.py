@@ -821,13 +821,15 @@ def test_the_oldest_torch_runs_in_prose_are_their_data() -> None:
     ])
 
 
+CI_2026_11_27 = ("ec6915f", "fa63127", "ab9e9ae", "8bb2f2f")  # the clean-clone CI logs of 2026-11-27
+
+
 def test_the_ci_runs_of_2026_11_28_in_prose_are_their_logs() -> None:
     """The notes' clean-clone CI runs at 0dec5cb (against the range of the four earlier CI logs), a9988ff
     and 2fdbc5e."""
     bench_dir = ROOT / "docs" / "benchmarks"
     (c11, t11), (c15, t15) = ci_lanes(bench_dir / "cpu-2026-11-28-avx2-ci-0dec5cb.log")
-    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log")
-               for c in ("ec6915f", "fa63127", "ab9e9ae", "8bb2f2f")]
+    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in CI_2026_11_27]
     old11, old15 = ([lanes[k][1] for lanes in earlier] for k in (0, 1))
     assert min(old11) <= t11 <= max(old11) and min(old15) <= t15 <= max(old15)  # "inside the range"
     assert t11 > 600 and t15 > 600  # "Neither lane is under 10 minutes"
@@ -851,8 +853,7 @@ def test_the_ci_run_at_471bbd9_in_prose_is_its_log() -> None:
     """The suite notes' clean-clone CI run at 471bbd9, against the range of the seven earlier CI logs."""
     bench_dir = ROOT / "docs" / "benchmarks"
     (c11, t11), (c15, t15) = ci_lanes(bench_dir / "cpu-2026-11-28-avx2-ci-471bbd9.log")
-    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in ("ec6915f", "fa63127", "ab9e9ae",
-                                                                                 "8bb2f2f")]  # fmt: skip
+    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in CI_2026_11_27]
     earlier += [ci_lanes(bench_dir / f"cpu-2026-11-28-avx2-ci-{c}.log") for c in ("0dec5cb", "a9988ff", "2fdbc5e")]
     old11, old15 = ([lanes[k][1] for lanes in earlier] for k in (0, 1))
     assert min(old11) <= t11 <= max(old11) and t15 > max(old15)  # "inside the range", "slower than all seven"
@@ -870,15 +871,14 @@ def test_the_plugin_run_at_7845f41_in_prose_is_its_data() -> None:
     counts, wall = suite_log_result("min-torch-2-workers-cold-7845f41", date="2026-11-28")
     _, old_wall = suite_log_result("min-torch-2-workers-cold-12a5b52", date="2026-11-28")
     bench_dir = ROOT / "docs" / "benchmarks"
-    data = json.loads((bench_dir / "cpu-2026-11-28-avx2-suite-compile-min-torch-7845f41.json").read_text())
+    data, old_data = (json.loads((bench_dir / f"cpu-2026-11-28-avx2-suite-compile-min-torch-{c}.json").read_text())
+                      for c in ("7845f41", "12a5b52"))  # fmt: skip
     assert data["meta"]["wall_s"] == wall and data["meta"]["counts"] == counts
-    new, old = (suite_compile_stats(json.loads((bench_dir / f"cpu-2026-11-28-avx2-suite-compile-min-torch-{c}.json")
-                                               .read_text())) for c in ("7845f41", "12a5b52"))  # fmt: skip
+    new, old = suite_compile_stats(data), suite_compile_stats(old_data)
 
     def test_s(d: dict, name: str) -> float:
         return sum(t[1] for w in d["workers"].values() for t in w["tests"] if t[0] == name)
 
-    old_data = json.loads((bench_dir / "cpu-2026-11-28-avx2-suite-compile-min-torch-12a5b52.json").read_text())
     one = test_s(data, "tests/test_fused.py::test_exactly_one_block_along_the_dim_compiles_no_second_graph")
     rot = "tests/test_fused.py::test_blocks_rotated_inside_their_kernel"
     assert_in_suite_notes([
