@@ -197,13 +197,15 @@ def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
 def test_cells_collect_on_a_frozen_heap_and_a_callers_freeze_is_kept(tmp_path, monkeypatch):
     """The full collections between cells run with the objects alive before the benchmark frozen:
     torch's own, and in a test process every graph compiled before, which each collection used to
-    walk again. The heap is thawed after it; a freeze made by the caller is left as it was."""
+    walk again. The heap is thawed after it; a freeze made by the caller is left as it was. Python
+    3.12 starts with a few of its own objects frozen, which are not a caller's freeze."""
+    start = gc.get_freeze_count()  # 375 on Python 3.12 (the GPU machine's), 0 on 3.11
     freezes: list[int] = []
     release = harness._release
     monkeypatch.setattr(harness, "_release", lambda device: freezes.append(gc.get_freeze_count()) or release(device))
     bench(tmp_path, "--models", "resnet50", "--precisions", "fp32", "--steps", "1", "--window", "1", "--warmup",
           "1", *TINY)
-    assert freezes and min(freezes) > 0
+    assert freezes and min(freezes) > start + 1000  # the heap was frozen (torch alone is far more)
     assert gc.get_freeze_count() == 0
     gc.freeze()
     try:
