@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# GPU acceptance in two device calls, each well inside one call's 600 s:
+# GPU acceptance in two device calls, back to back in one lease (15 minutes of device time, the
+# machine's start included):
 #
 #   bash scripts/gpu_wheels.sh                          # here, once: Hydra & co. and torchao into .whl/
-#   run(command="bash scripts/gpu_check.sh tests", carry=[".whl"], timeout_s=600)
-#   run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=600)
+#   run(command="bash scripts/gpu_check.sh tests", carry=[".whl"], timeout_s=330)
+#   run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=530)
 #
 # tests: the carried wheels import, README's main job, then the CUDA tests beside the CPU suite (8 workers).
 # bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16); FP8 where its GEMMs
 #        are large enough to pay (transformer_lm_large, bf16 against torchao tensorwise and rowwise,
 #        compiled); ResNet-50 (the precisions against fp32, tf32 and the bare loop).
 #
-# Every stage runs under min(its own cap, the time left of GPU_CHECK_BUDGET_S, default 570), so a slow
-# stage costs the ones after it, never the whole call. pytest gets SIGINT at its limit (it still
+# Every stage runs under min(its own cap, the time left of GPU_CHECK_BUDGET_S), so a slow stage costs the
+# ones after it, never the whole call. The default budgets, 290 s for tests and 500 s for bench, are
+# what fitted the H200 lease of 2026-11-28 (held 804 s of 900). pytest gets SIGINT at its limit (it still
 # prints its counts) and --timeout per test; the tests the limit cut are named. Exit status 0 only
 # when every stage that ran passed. Without a GPU this is a dry run (the CUDA tests skip; files are
 # named cpu-dry-run-*). Files: $OUT (the device tool brings back at most 8, none of them may be a
@@ -24,7 +26,8 @@ cd "$(dirname "$0")/.."
 
 what=${1:-}
 case "$what" in tests|bench) ;; *) echo "usage: $0 tests|bench" >&2; exit 2 ;; esac
-BUDGET=${GPU_CHECK_BUDGET_S:-570}
+default_budget=290; [ "$what" = bench ] && default_budget=500
+BUDGET=${GPU_CHECK_BUDGET_S:-$default_budget}
 OUT_DIR=${OUT:-docs/benchmarks}
 mkdir -p "$OUT_DIR"
 DATE=$(date -u +%Y-%m-%d)
@@ -114,10 +117,12 @@ EOF
   # Three workers: serially the CUDA tests took 248 s on the H200 and the limit cut 4 (2026-11-26);
   # --durations names the slow ones for the next session. test_cuda.py goes last, its 48-run matrix
   # last in it: on 2026-11-27 the limit cut the other files' CUDA tests (the quantizer kernels, the
-  # Linear graphs' bit-identity, FSDP2) after the matrix had taken most of it.
+  # Linear graphs' bit-identity, FSDP2) after the matrix had taken most of it. worksteal, as README's
+  # command: under xdist's default (load) the tests queued on a worker wait behind its test, and on
+  # 2026-11-28 both quantized-GEMM tests waited behind a 180 s compile while the others ran the matrix.
   local files; files=$(ls tests/test_*.py | grep -v '/test_cuda\.py$')
   # shellcheck disable=SC2086  # one word a file
-  timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --durations=25 $files tests/test_cuda.py \
+  timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --dist worksteal --durations=25 $files tests/test_cuda.py \
       >"$cuda_log" 2>&1 &
   local cuda_pid=$!
   OMP_NUM_THREADS=1 timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m "not cuda" -n 8 \
