@@ -377,3 +377,161 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
             f"whose windows spread {100 * fmt['amp_bf16']['spread']:.0f}%") in readme
 
 
+
+def millis(value: str, unit: str) -> float:
+    return float(value) / (1e3 if unit == "us" else 1)
+
+
+def formats_profiles(run: str) -> dict[str, dict[str, float]]:
+    """A gpu_check run's formats profiles (two steps each), per cell and per step: torch's device total
+    (``kernels``), ``aten::mm``'s and the memory-efficient attention's self device time, the FP32 GEMM
+    kernels' (cuBLAS's f32 and CUTLASS's SIMT ones, among the listed rows), inductor's Triton launches,
+    the first Triton kernel's mean time and calls; over both steps, the graph calls, the calls that went
+    through dynamo's ``compile_wrapper`` and the Python function calls (cProfile)."""
+    op = r"\s+[\d.]+%\s+\S+\s+[\d.]+%\s+\S+\s+\S+\s+([\d.]+)(ms|us)"  # self CPU %, ..., self CUDA
+    cells: dict[str, dict[str, float]] = {}
+    for part in (BENCH_DIR / f"{run}-formats-profiles.txt").read_text().split("##### ")[1:]:
+        name = part.split("\n")[0].removeprefix("profile-transformer-lm-").removesuffix("-b32-base.txt")
+        engine = part.split("=== bare:")[0]
+        row = {"kernels": millis(*re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", engine).groups()) / 2}
+        for key, pattern in (("mm", "aten::mm"), ("attention forward", "aten::_efficient_attention_forward"),
+                             ("attention backward", "aten::_efficient_attention_backward")):
+            m = re.search(rf"^\s+{pattern}{op}", engine, re.M)
+            row[key] = millis(m[1], m[2]) / 2 if m else 0.0
+        by_device = engine.split("sorted by self device time")[1].split("=== engine: cProfile")[0]
+        row["fp32 gemm"] = 0.0
+        for line in by_device.splitlines():
+            m = re.match(rf"^(.{{55}}){op}\s+[\d.]+%\s+\S+\s+(\S+)\s+(\d+)\s*$", line)
+            if not m:
+                continue
+            kernel = m[1].strip()
+            if "f32f32" in kernel or "sgemm" in kernel:
+                row["fp32 gemm"] += millis(m[2], m[3]) / 2
+            if kernel.startswith("triton") and "top us" not in row:
+                row["top us"], row["top calls"] = millis(*re.match(r"([\d.]+)(ms|us)", m[4]).groups()) * 1e3, \
+                    int(m[5]) / 2
+        cprofile = engine.split("=== engine: cProfile")[1]
+
+        def count(pattern: str, text: str = cprofile) -> float:
+            m = re.search(rf"^\s+(\d+)(?:/\d+)?\s+\S+\s+\S+\s+\S+\s+\S+\s+\S*{pattern}", text, re.M)
+            return float(m[1]) if m else 0.0
+
+        row["launches"] = count(r"triton_heuristics\.py:\d+\(run\)") / 2
+        row["graph calls"] = count(r"compiled_calls\.py:\d+\(call_graph\)")
+        row["through dynamo"] = count(r"eval_frame\.py:\d+\(compile_wrapper\)")
+        row["function calls"] = float(re.search(r"(\d+) function calls", cprofile)[1])
+        cells[name.replace("-", "_")] = row
+    return cells
+
+
+def test_the_sixth_gpu_run_in_prose_is_its_data():
+    """docs/benchmarks/README.md's and README.md's figures of the H200 run of 2026-11-28, from its
+    tables, its profiles, its logs, and the fifth run's profiles for what changed since."""
+    run = "h200-2026-11-28"
+    r50, fp8, fmt, main_job = h200_run(run)
+    prof, before = formats_profiles(run), formats_profiles("h100-2026-11-27-run2")
+    assert set(prof) == set(fmt) == set(before)
+    x = "{:.2f}×".format
+
+    def slower(p: str) -> str:
+        return x(1 / fmt[p]["speedup_vs_bf16"])
+
+    def ms(v: float) -> str:
+        return f"{v:.1f} ms"
+
+    def step(p: str, cells: dict[str, dict] = fmt) -> float:
+        return 1e3 * cells[p]["step_time_s"]
+
+    fifth = {c["precision"]: c for c in json.loads((BENCH_DIR / "h100-2026-11-27-run2-transformer-formats.json")
+                                                   .read_text())["cells"]}
+    mixed, earlier = r50["amp_fp16"], [h200_run(p)[0]["amp_fp16"]["throughput"]
+                                       for p in ("h200-2026-11-26", "h200-2026-11-26-run2")]
+    nv, mx = prof["nvfp4_bf16"], prof["mxfp8_bf16"]
+    emulated = [p for p in fmt if p != "amp_bf16"]
+    attention = [prof[p]["attention forward"] + prof[p]["attention backward"] for p in emulated]
+    high = 1 - fmt["nvfp4_bf16"]["low_precision_flop_fraction"]
+    tests_log = (BENCH_DIR / f"{run}-gpu-check-tests.log").read_text()
+    cuda_log = (BENCH_DIR / f"{run}-cuda-tests.log").read_text()
+    cpu_log = (BENCH_DIR / f"{run}-cpu-suite.log").read_text()
+    finished = set(re.findall(r"^\[gw\d+\] \[\s*\d+%\] (?:PASSED|FAILED|SKIPPED|ERROR) (\S+)", cuda_log, re.M))
+    items = int(re.search(r"^3 workers \[(\d+) items\]", cuda_log, re.M)[1])
+    matrix_done = [t for t in finished if "test_every_precision_and_policy_trains" in t]
+
+    def duration(phase: str, test: str) -> str:
+        seconds = re.search(rf"^([\d.]+)s {phase}\s+{re.escape(test)}$", cuda_log, re.M)[1]
+        return f"{float(seconds):.0f}"
+
+    blocks = "tests/test_fused.py::test_blocks_on_cuda_in_every_layout[nvfp4-cuda]"
+    repeat = "tests/test_fused.py::test_repeated_calls_skip_dynamo_and_match_the_reference[cuda]"
+    frozen = int(re.search(r"assert (\d+) == 0", cpu_log)[1])
+    quotes = [
+        *resnet50_target_rows(r50),
+        f"| {slower('mxfp8')} and {slower('nvfp4')} (FP32 products); {slower('mxfp8_bf16')} and "
+        f"{slower('nvfp4_bf16')} (bf16 products) | no |",
+        f"| {x(fp8['fp8_torchao']['speedup_vs_bf16'])} tensorwise; the limit cut rowwise | tensorwise |",
+        f"{mixed['throughput']:,.0f} img/s for amp_fp16, against {earlier[0]:,.0f} and {earlier[1]:,.0f} in the "
+        "two runs",
+        f"spread {100 * fmt['amp_bf16']['spread']:.0f}%)",
+        *(f"| {p} | {ms(step(p))} | {ms(prof[p]['kernels'])} | {ms(prof[p]['mm'])} | {prof[p]['launches']:.0f} |"
+          for p in fmt),
+        f"The target is {ms(1.3 * step('amp_bf16'))} a step",
+        f"Its kernels take {ms(mx['kernels'])}, under the target, and its step {ms(step('mxfp8_bf16'))}",
+        f"launching {mx['launches']:.0f} Triton kernels a step",
+        f"They take {ms(nv['kernels'])} a step with bf16 products",
+        f"{ms(nv['fp32 gemm'])} of it are FP32 GEMMs",
+        f"the last 15% of GEMM layers, {100 * high:.0f}% of the FLOPs",
+        f"NVFP4's `aten::mm` takes {ms(nv['mm'])} against MXFP8's {ms(mx['mm'])} because of these layers",
+        f"takes {nv['top us']:.0f} µs a call, {nv['top calls']:.0f} calls a step "
+        f"({ms(nv['top us'] * nv['top calls'] / 1e3)} a step)",
+        f"the memory-efficient kernels take {ms(min(attention))} to {ms(max(attention))} a step"
+        if f"{min(attention):.1f}" != f"{max(attention):.1f}" else f"the memory-efficient kernels take "
+        f"{ms(min(attention))} a step",
+        f"{before['nvfp4']['through dynamo']:.0f} of the {before['nvfp4']['graph calls']:.0f} graph calls in two steps",
+        f"fell from {before['nvfp4']['function calls']:,.0f} to {prof['nvfp4']['function calls']:,.0f}",
+        f"({ms(step('nvfp4', fifth))} on the H100, {ms(step('nvfp4'))} here)",
+        f"took {ms(before['nvfp4_bf16']['kernels'])} a step on the fifth run's H100 and {ms(nv['kernels'])} on "
+        "this H200",
+        f"{main_job['steps']} steps, {main_job['skipped_steps']} skipped at the start, final loss "
+        f"{main_job['final_loss']:.2f}, {main_job['throughput']:,.0f} img/s, peak memory "
+        f"{main_job['peak_memory_bytes'] / 2**20:,.0f} MiB",
+        f"{len(finished)} passed, none failed",
+        f"took {duration('setup', blocks)} s of setup",
+        f"and {duration('call', blocks)} s of test",
+        f"({items - len(finished)} CUDA tests):** {48 - len(matrix_done)} of the precision × policy matrix, and "
+        f"{items - len(finished) - (48 - len(matrix_done))} others",
+        f"worker gw1 spent {duration('setup', repeat)} s of setup and {duration('call', repeat)} s of test on "
+        f"`{repeat.split('::')[1]}`",
+        "1 failed, 928 passed, 3 skipped",
+        f"Python 3.12 starts with {frozen} of its own objects frozen",
+    ]
+    # the claims behind the words
+    assert main_job["status"] == "completed"
+    assert mixed["throughput"] >= 3000 and mixed["speedup_vs_fp32"] >= 3 > 2 > mixed["speedup_vs_tf32"]
+    assert mixed["memory_vs_fp32"] <= 0.6 and all(abs(c["overhead"] - 1) < 0.01 for c in r50.values())
+    assert all(abs(mixed["throughput"] / t - 1) < 0.005 for t in earlier)  # "measures the same"
+    assert fmt["amp_bf16"]["spread"] < 0.1  # "steady this time"
+    assert all(1 / fmt[p]["speedup_vs_bf16"] > 1.3 for p in emulated)  # "no"
+    assert fp8["fp8_torchao"]["speedup_vs_bf16"] >= 1.3 and "fp8_torchao_rowwise" not in fp8
+    target = 1.3 * step("amp_bf16")
+    assert mx["kernels"] < target < step("mxfp8_bf16")  # MXFP8, bf16 products: paced by the host
+    assert nv["kernels"] > target and prof["nvfp4"]["kernels"] > target  # NVFP4: by its kernels too
+    assert mx["fp32 gemm"] == 0 < nv["fp32 gemm"] and nv["fp32 gemm"] < nv["mm"]  # the kept layers' GEMMs
+    assert 0.35 < high < 0.45 and 3.5 < nv["mm"] / mx["mm"] < 4.5  # "four times" (the fifth run's question)
+    assert prof["amp_bf16"]["attention forward"] == 0 and min(attention) > 0  # bf16 runs flash attention
+    assert before["nvfp4"]["through dynamo"] > 0 == prof["nvfp4"]["through dynamo"]  # the direct SR calls
+    assert before["nvfp4"]["graph calls"] == prof["nvfp4"]["graph calls"]
+    assert abs(step("nvfp4") / step("nvfp4", fifth) - 1) < 0.05  # "did not get shorter"
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    missing = [q for q in quotes if " ".join(q.split()) not in text]
+    assert not missing, missing
+    assert "FAILED" not in cuda_log and "KeyboardInterrupt" in cuda_log  # none failed; the limit stopped it
+    assert {"tests/test_bench.py::test_profile_writes_both_runners_tables[cuda]", blocks} <= finished
+    assert not [t for t in finished if "test_quantized_gemms_on_cuda_match_the_reference" in t]  # not run
+    assert re.findall(r"^FAILED (\S+)", cpu_log, re.M) == [
+        "tests/test_bench.py::test_cells_collect_on_a_frozen_heap_and_a_callers_freeze_is_kept"]
+    assert "1 failed, 928 passed, 3 skipped" in tests_log and f"{len(finished)} passed" in tests_log
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (f"ResNet-50 mixed at {mixed['throughput']:,.0f} img/s again; "
+            f"the emulated formats {slower('mxfp8_bf16')} (mxfp8) and {slower('nvfp4_bf16')} (nvfp4) bf16's step "
+            f"time with bf16 products: MXFP8's kernels take {ms(mx['kernels'])} of its {ms(step('mxfp8_bf16'))} step "
+            f"(paced by the host), NVFP4's {ms(nv['kernels'])}") in readme
