@@ -167,6 +167,9 @@ class MXPrecisionConfig(PrecisionConfig):
     keep_last: int | None = None  # last GEMM layers kept high (null: nvfp4 the last 15%, MX none)
     pad_blocks: bool = True  # zero-pad reduction dims to the block; false: such layers stay high
     emulated_compute: str = "fp32"  # fp32 | bf16: dtype the quantized values are multiplied in
+    # null | bf16: a bf16 autocast around the emulated GEMMs, for what they do not compute (the layers
+    # kept high, attention, norms), as a real low-precision run does; null: all of that in FP32
+    autocast: str | None = None
     seed: int = 0  # stochastic rounding and Hadamard signs (their own generators, not the global RNG)
 
 
@@ -545,6 +548,7 @@ def validate(cfg: DictConfig) -> None:
     if p.name == "mx":
         _one_of(p.format, MX_FORMATS, "precision.format")
         _one_of(p.emulated_compute, ("fp32", "bf16"), "precision.emulated_compute")
+        check(p.autocast in (None, "bf16"), f"precision.autocast={p.autocast!r}: must be null or bf16")
         _at_least(p.keep_first, 0, "precision.keep_first")
         _at_least(p.keep_last, 0, "precision.keep_last", allow_none=True)
         _at_least(p.seed, 0, "precision.seed")

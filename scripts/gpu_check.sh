@@ -187,13 +187,15 @@ run_bench() {
   # what earlier runs measured, not what is open.
   # 3. The emulated formats against amp_bf16 on the transformer LM, eager (whole-model compile is
   #    refused for them; each Linear's GEMMs run as one compiled graph per direction on CUDA): "vs
-  #    bf16" is their cost, with the products in FP32 (the default) and in bf16
-  #    (precision.emulated_compute=bf16). The graphs compile cold in each cell's warm-up.
+  #    bf16" is their cost, with their products in bf16 (precision.emulated_compute=bf16), the rest of
+  #    the model in FP32 (*_bf16) or in a bf16 autocast as amp_bf16's (*_bf16_amp,
+  #    precision.autocast=bf16). FP32 products (the default) were measured in six runs to 2026-11-28,
+  #    where their GEMMs alone took 16 ms a step. The graphs compile cold in each cell's warm-up.
   #    --profile 2: each cell's op and kernel tables, in one file (the device tool brings back 8):
   #    they say whether a step is paced by its kernels or by its host. Five cells with profiles took
   #    over 240 s on the H100 of 2026-11-27, hence 300.
   stage bench_formats 300 "${BENCH[@]}" --name "$NAME-transformer-formats" "${FORMATS[@]}" \
-      --precisions amp_bf16,mxfp8,mxfp8_bf16,nvfp4,nvfp4_bf16 --profile 2
+      --precisions amp_bf16,mxfp8_bf16,nvfp4_bf16,mxfp8_bf16_amp,nvfp4_bf16_amp --profile 2
   keep "$NAME-transformer-formats.json" "$NAME-transformer-formats.md"
   if compgen -G "$WORK/profiles/*.txt" >/dev/null; then
     for f in "$WORK"/profiles/*.txt; do echo "##### $(basename "$f")"; cat "$f"; done \

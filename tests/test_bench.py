@@ -249,13 +249,16 @@ def test_format_aliases_are_cells_of_the_mx_mode():
     from mptrain.bench.cli import build_parser, plan
 
     args = build_parser().parse_args(["--models", "transformer_lm_tiny", "--precisions",
-                                      "amp_bf16,mxfp8,nvfp4,nvfp4_bf16", "--batch-sizes", "2", "--device", "cpu"])
+                                      "amp_bf16,mxfp8,nvfp4,nvfp4_bf16,mxfp8_bf16_amp", "--batch-sizes", "2",
+                                      "--device", "cpu"])
     cells, skipped, _ = plan(args)
     assert not skipped
-    formats = {cell.precision: (cfg.precision.name, cfg.precision.get("format"), cfg.precision.get("emulated_compute"))
+    formats = {cell.precision: (cfg.precision.name, *(cfg.precision.get(k) for k in ("format", "emulated_compute",
+                                                                                       "autocast")))
                for cell, cfg in cells}
-    assert formats == {"amp_bf16": ("amp_bf16", None, None), "mxfp8": ("mx", "mxfp8", "fp32"),
-                       "nvfp4": ("mx", "nvfp4", "fp32"), "nvfp4_bf16": ("mx", "nvfp4", "bf16")}
+    assert formats == {"amp_bf16": ("amp_bf16", None, None, None), "mxfp8": ("mx", "mxfp8", "fp32", None),
+                       "nvfp4": ("mx", "nvfp4", "fp32", None), "nvfp4_bf16": ("mx", "nvfp4", "bf16", None),
+                       "mxfp8_bf16_amp": ("mx", "mxfp8", "bf16", "bf16")}
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -34,6 +34,7 @@ BAD = [
      "trainer.compile=true with precision=fp8 precision.backend=emulated: whole-model compile graph-breaks at every "
      "quantized layer's autograd function and generator; the quantizers are compiled on their own"),
     (["precision=mx", "trainer.compile=true"], "trainer.compile=true with precision=mx: whole-model compile"),
+    (["precision=mx", "precision.autocast=fp16"], "precision.autocast='fp16': must be null or bf16"),
     (["precision=amp_fp16", "loss_scale=adaptive", "trainer.compile=true"],
      "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks"),
 ]

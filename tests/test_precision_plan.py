@@ -12,6 +12,8 @@ from conftest import run_job, tiny
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from mptrain.cli import compose
+from mptrain.config import validate
 from mptrain.numerics.plan import build_plan, layer_format
 
 
@@ -151,3 +153,40 @@ def test_the_console_plan_groups_layers_that_share_format_and_reason(tmp_path):
         return sum(int(n) for n in re.findall(r"(\d+) \w+", name)) if name[0].isdigit() else 1
 
     assert sum(count(r[0]) for r in rows) == len(layers)
+
+
+@pytest.mark.parametrize("options", [["precision.emulated_compute=bf16"],
+                                     ["precision.emulated_compute=bf16", "precision.autocast=bf16"]],
+                         ids=["bf16 products", "bf16 products and autocast"])
+def test_layers_kept_high_by_nvfp4_are_planned_in_the_dtype_they_compute_in(tmp_path, options):
+    """A layer NVFP4's recipe keeps high computes in FP32, or in bf16 under ``precision.autocast=bf16``
+    (attention and norms with it), never in ``emulated_compute``, which is the quantized GEMMs' own.
+    The plan says so, checked against the dtype each kept layer's output has in a real forward. (The
+    plan used to say bf16 for kept FP32 layers whenever the products were bf16.)"""
+    from mptrain.engine import Engine
+
+    cfg = compose(["model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4", "data.batch_size=2",
+                   "trainer.max_steps=1", "trainer.device=cpu", *options])
+    validate(cfg)
+    engine = Engine(cfg, tmp_path)
+    model = engine.task.modules["model"]
+    planned = {layer.name.removeprefix("model."): layer for layer in engine.plan.layers}
+    seen: dict[str, torch.dtype] = {}
+
+    def record(name: str):  # a hook that returns None leaves the output as it is
+        return lambda module, args, out: seen.setdefault(name, out.dtype) and None
+
+    hooks = [m.register_forward_hook(record(name)) for name, m in model.named_modules() if name in planned]
+    try:
+        batch = next(engine.task.train_batches(0))
+        with engine.precision.autocast():
+            engine.task.loss(engine.slots[0].objective, batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    kept = {name for name, layer in planned.items() if not layer.low_precision}
+    assert "lm_head" in kept and kept != set(planned)
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    assert {name: planned[name].format for name in kept} == {name: short[seen[name]] for name in kept}
+    want = "bf16" if "precision.autocast=bf16" in options else "fp32"
+    assert {planned[name].format for name in kept} == {want}

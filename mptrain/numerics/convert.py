@@ -130,6 +130,7 @@ class MxOptions:
     keep_last: int | None  # None: the recipe's share of the model's GEMM layers
     pad_blocks: bool
     compute: str
+    autocast: str | None  # "bf16": the rest of the model under a bf16 autocast; None: FP32
     seed: int
 
     @classmethod
@@ -147,6 +148,9 @@ class MxOptions:
         compute = str(options.get("emulated_compute", "fp32"))
         if compute not in COMPUTE:
             raise MptrainError(f"precision.emulated_compute={compute!r}: must be one of {', '.join(COMPUTE)}")
+        autocast = options.get("autocast")
+        if autocast is not None and autocast != "bf16":
+            raise MptrainError(f"precision.autocast={autocast!r}: must be null or bf16")
         keep_last, keep_first = options.get("keep_last"), options.get("keep_first", 0) or 0
         for key, v in (("keep_last", keep_last), ("keep_first", keep_first)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -160,7 +164,7 @@ class MxOptions:
             format=fmt, stochastic_rounding=flag("stochastic_rounding", nv), hadamard=flag("hadamard", nv),
             weight_2d_blocks=flag("weight_2d_blocks", nv), keep_high=list(patterns), keep_first=int(keep_first),
             keep_last=None if keep_last is None else int(keep_last), pad_blocks=flag("pad_blocks", True),
-            compute=compute, seed=int(options.get("seed", 0) or 0),
+            compute=compute, autocast=autocast, seed=int(options.get("seed", 0) or 0),
         )  # fmt: skip
 
     def last(self, n_gemm: int) -> tuple[int, str]:

@@ -212,10 +212,14 @@ class Precision:
         return x
 
     def plan_default(self) -> tuple[str, str]:
-        """(format, reason) of a GEMM layer this mode computes in its own dtype, for the plan."""
-        if self.fp8 == "emulated" or self.mx is not None:
-            return str(self.options.get("emulated_compute") or "fp32"), "computed in precision.emulated_compute"
+        """(format, reason) of a GEMM layer this mode computes in its own dtype, for the plan: for the
+        emulated modes, a layer they leave unquantized (kept high), which computes in FP32 or in the
+        autocast, never in ``emulated_compute`` (that is the quantized GEMMs' own)."""
         short = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+        if self.emulated:
+            if self.autocast_dtype is not None:
+                return short[self.autocast_dtype], "autocast (precision.autocast)"
+            return "fp32", f"precision={self.resolved}: outside the emulated GEMMs"
         if self.autocast_dtype is not None:
             return short[self.autocast_dtype], f"autocast ({self.resolved})"
         if self.param_dtype != torch.float32:
@@ -302,10 +306,14 @@ def build_precision(cfg: DictConfig, device: torch.device) -> Precision:
 
         opts = MxOptions.parse(options)  # bad values stop here, before any model is built
         p.mx = opts.format.name
+        # The emulated GEMMs leave any autocast (qgemm.no_autocast) and compute in opts.compute; the
+        # autocast decides only what they do not compute.
+        p.autocast_dtype = torch.bfloat16 if opts.autocast == "bf16" else None
+        rest = "in a bf16 autocast" if p.autocast_dtype else "in FP32"
         p.note = (
             f"{opts.format.name} emulated: every Linear/Conv2d GEMM rounds its operands onto {opts.format.name} "
-            f"blocks along its reduction dim (forward and backward) and multiplies in {opts.compute}; FP32 master "
-            "weights; per-block scales, so no loss scaling"
+            f"blocks along its reduction dim (forward and backward) and multiplies in {opts.compute}; the layers "
+            f"kept high and the other ops run {rest}; FP32 master weights; per-block scales, so no loss scaling"
         )
     else:
         raise MptrainError(f"precision={name!r}: unknown mode")
@@ -329,13 +337,16 @@ def _warn_if_emulated(p: Precision) -> None:
     if p.fp8 == "emulated" or p.mx is not None:
         what = "fp8" if p.mx is None else f"mx ({p.mx})"
         compute = str(p.options.get("emulated_compute", "fp32"))
-        dtype = torch.bfloat16 if compute == "bf16" else None
+        if p.autocast_dtype == torch.bfloat16:
+            compute += ", the rest in a bf16 autocast"
+        dtype = torch.bfloat16 if "bf16" in compute else None
         slowdown = emulation_slowdown(dtype) if dtype is not None and not cap.native(dtype) else 1.0
         log.warning(
             "precision=%s: no CPU has this arithmetic, so it is emulated: every converted layer rounds its weights, "
             "activations and gradients onto the format's grid and computes in %s%s. Expect it several times slower "
             "than fp32 (docs/benchmarks); use it to study the numerics, not for speed",
-            what, compute, f" (itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
+            what, compute, f" (bf16 itself emulated here, about {slowdown:.0f}x slower than fp32)"
+            if slowdown > 1.5 else "",
         )
         return
     dtype = p.half_dtype
