@@ -118,8 +118,9 @@ EOF
   # --durations names the slow ones for the next session. test_cuda.py goes last, its 48-run matrix
   # last in it: on 2026-11-27 the limit cut the other files' CUDA tests (the quantizer kernels, the
   # Linear graphs' bit-identity, FSDP2) after the matrix had taken most of it. worksteal, as README's
-  # command: under xdist's default (load) the tests queued on a worker wait behind its test, and on
-  # 2026-11-28 both quantized-GEMM tests waited behind a 180 s compile while the others ran the matrix.
+  # command: under xdist's default (load) the tests sent to a worker wait behind its current one. On
+  # 2026-11-28 six of the other files' CUDA tests (both quantized-GEMM ones) never started while one
+  # worker spent 180 s in one test and the other two ran the matrix.
   local files; files=$(ls tests/test_*.py | grep -v '/test_cuda\.py$')
   # shellcheck disable=SC2086  # one word a file
   timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --dist worksteal --durations=25 $files tests/test_cuda.py \
