@@ -507,6 +507,24 @@ def test_the_ci_run_at_471bbd9_in_prose_is_its_log() -> None:
     ])
 
 
+def test_the_ci_run_at_577bcad_in_prose_is_its_log() -> None:
+    """The suite notes' clean-clone CI run at 577bcad, against the range of the eight earlier CI logs."""
+    bench_dir = ROOT / "docs" / "benchmarks"
+    (c11, t11), (c15, t15) = ci_lanes(bench_dir / "cpu-2026-11-28-avx2-ci-577bcad.log")
+    earlier = [ci_lanes(bench_dir / f"cpu-2026-11-27-avx2-ci-{c}.log") for c in CI_2026_11_27]
+    earlier += [ci_lanes(bench_dir / f"cpu-2026-11-28-avx2-ci-{c}.log")
+                for c in ("0dec5cb", "a9988ff", "2fdbc5e", "471bbd9")]
+    old11, old15 = ([lanes[k][1] for lanes in earlier] for k in (0, 1))
+    assert t11 < min(old11) and t15 < min(old15)  # "faster than all eight"
+    assert t11 > 600 > t15  # "the 2.11 lane is still over 10 minutes"
+    assert "torch 2.15" in (bench_dir / "cpu-2026-11-28-avx2-ci-577bcad.log").read_text()
+    assert_in_suite_notes([
+        f"exited 0: {c11} in {minutes(t11)} on torch 2.11, and {c15} in {minutes(t15)} on 2.15",
+        f"eight earlier CI logs here (2.11: {minutes(min(old11))} to {minutes(max(old11))}; 2.15: "
+        f"{minutes(min(old15))} to {minutes(max(old15))})",
+    ])
+
+
 def test_the_plugin_run_at_7845f41_in_prose_is_its_data() -> None:
     """The suite notes' cold torch 2.11 plugin run at 7845f41 against the one at 12a5b52, from both
     records and logs."""
