@@ -117,13 +117,15 @@ EOF
   # Three workers: serially the CUDA tests took 248 s on the H200 and the limit cut 4 (2026-11-26);
   # --durations names the slow ones for the next session. test_cuda.py goes last, its 48-run matrix
   # last in it: on 2026-11-27 the limit cut the other files' CUDA tests (the quantizer kernels, the
-  # Linear graphs' bit-identity, FSDP2) after the matrix had taken most of it. worksteal, as README's
-  # command: under xdist's default (load) the tests sent to a worker wait behind its current one. On
-  # 2026-11-28 six of the other files' CUDA tests (both quantized-GEMM ones) never started while one
-  # worker spent 180 s in one test and the other two ran the matrix.
+  # Linear graphs' bit-identity, FSDP2) after the matrix had taken most of it. One queue, in that
+  # order: load scheduling with --maxschedchunk 1 hands each worker its next test when it has one
+  # left (two at the start). Under the default chunks, on 2026-11-28, six of the other files' CUDA
+  # tests (both quantized-GEMM ones) never started while one worker spent 180 s in one test and the
+  # other two ran the matrix; worksteal would give one worker all of them (the first third of the
+  # order is theirs) and let the others steal only from its tail.
   local files; files=$(ls tests/test_*.py | grep -v '/test_cuda\.py$')
   # shellcheck disable=SC2086  # one word a file
-  timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --dist worksteal --durations=25 $files tests/test_cuda.py \
+  timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m cuda -rfEs -n 3 --dist load --maxschedchunk 1 --durations=25 $files tests/test_cuda.py \
       >"$cuda_log" 2>&1 &
   local cuda_pid=$!
   OMP_NUM_THREADS=1 timeout -s INT -k "$GRACE" "$limit" "${PYTEST[@]}" -m "not cuda" -n 8 \
