@@ -386,7 +386,7 @@ def formats_profiles(run: str) -> dict[str, dict[str, float]]:
     """A gpu_check run's formats profiles (two steps each), per cell and per step: torch's device total
     (``kernels``), ``aten::mm``'s and the memory-efficient attention's self device time, the FP32 GEMM
     kernels' (cuBLAS's f32 and CUTLASS's SIMT ones, among the listed rows), inductor's Triton launches,
-    the first Triton kernel's mean time and calls; over both steps, the graph calls, the calls that went
+    the first (longest) Triton kernel's mean time and calls; over both steps, the graph calls, the calls that went
     through dynamo's ``compile_wrapper`` and the Python function calls (cProfile)."""
     op = r"\s+[\d.]+%\s+\S+\s+[\d.]+%\s+\S+\s+\S+\s+([\d.]+)(ms|us)"  # self CPU %, ..., self CUDA
     cells: dict[str, dict[str, float]] = {}
@@ -407,9 +407,9 @@ def formats_profiles(run: str) -> dict[str, dict[str, float]]:
             kernel = m[1].strip()
             if "f32f32" in kernel or "sgemm" in kernel:
                 row["fp32 gemm"] += millis(m[2], m[3]) / 2
-            if kernel.startswith("triton") and "top us" not in row:
-                row["top us"], row["top calls"] = millis(*re.match(r"([\d.]+)(ms|us)", m[4]).groups()) * 1e3, \
-                    int(m[5]) / 2
+            if kernel.startswith("triton") and "top us" not in row:  # the rows are sorted by device time
+                row["top us"] = millis(*re.match(r"([\d.]+)(ms|us)", m[4]).groups()) * 1e3
+                row["top calls"] = int(m[5]) / 2
         cprofile = engine.split("=== engine: cProfile")[1]
 
         def count(pattern: str, text: str = cprofile) -> float:

@@ -337,16 +337,15 @@ def _warn_if_emulated(p: Precision) -> None:
     if p.fp8 == "emulated" or p.mx is not None:
         what = "fp8" if p.mx is None else f"mx ({p.mx})"
         compute = str(p.options.get("emulated_compute", "fp32"))
-        if p.autocast_dtype == torch.bfloat16:
-            compute += ", the rest in a bf16 autocast"
-        dtype = torch.bfloat16 if "bf16" in compute else None
-        slowdown = emulation_slowdown(dtype) if dtype is not None and not cap.native(dtype) else 1.0
+        autocast = p.autocast_dtype == torch.bfloat16
+        bf16 = compute == "bf16" or autocast
+        slowdown = emulation_slowdown(torch.bfloat16) if bf16 and not cap.native(torch.bfloat16) else 1.0
         log.warning(
             "precision=%s: no CPU has this arithmetic, so it is emulated: every converted layer rounds its weights, "
-            "activations and gradients onto the format's grid and computes in %s%s. Expect it several times slower "
-            "than fp32 (docs/benchmarks); use it to study the numerics, not for speed",
-            what, compute, f" (bf16 itself emulated here, about {slowdown:.0f}x slower than fp32)"
-            if slowdown > 1.5 else "",
+            "activations and gradients onto the format's grid and computes in %s%s%s. Expect it several times "
+            "slower than fp32 (docs/benchmarks); use it to study the numerics, not for speed",
+            what, compute, ", the rest in a bf16 autocast" if autocast else "",
+            f" (bf16 itself emulated here, about {slowdown:.0f}x slower than fp32)" if slowdown > 1.5 else "",
         )
         return
     dtype = p.half_dtype
