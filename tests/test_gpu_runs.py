@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs/benchmarks"
 
 
+def millis(value: str, unit: str) -> float:
+    return float(value) / (1e3 if unit == "us" else 1)
+
+
 def h200_run(prefix: str) -> tuple[dict[str, dict], dict[str, dict], dict[str, dict], dict]:
     """A gpu_check run's three tables (cells by precision: ResNet-50, FP8, the formats) and its main job."""
     bench_dir = ROOT / "docs/benchmarks"
@@ -212,9 +216,6 @@ def test_the_fourth_gpu_run_in_prose_is_its_data():
 
     # each profiled cell (2 steps): torch's device total, aten::mm's and addmm's self device time,
     # the quantized Linear functions' self CPU time, the process's CPU total and its Triton launches
-    def millis(value: str, unit: str) -> float:
-        return float(value) / (1e3 if unit == "us" else 1)
-
     prof: dict[str, dict[str, float]] = {}
     for part in (bench_dir / "h100-2026-11-27-formats-profiles.txt").read_text().split("##### ")[1:]:
         cell = part.split("\n")[0].removeprefix("profile-transformer-lm-").removesuffix("-b32-base.txt")
@@ -314,17 +315,8 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
     def slower(p: str) -> str:
         return x(1 / fmt[p]["speedup_vs_bf16"])
 
-    def millis(value: str, unit: str) -> float:
-        return float(value) / (1e3 if unit == "us" else 1)
-
-    kernels, mm = {}, {}  # a step's: torch's device total over the 2 profiled steps, and aten::mm's self device time
-    for part in (bench_dir / f"{run}-formats-profiles.txt").read_text().split("##### ")[1:]:
-        cell = part.split("\n")[0].removeprefix("profile-transformer-lm-").removesuffix("-b32-base.txt")
-        cell = cell.replace("-", "_")
-        engine = part.split("=== bare:")[0]
-        kernels[cell] = millis(*re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", engine).groups()) / 2
-        m = re.search(r"^\s+aten::mm\s+[\d.]+%\s+\S+\s+[\d.]+%\s+\S+\s+\S+\s+([\d.]+)(ms|us)", engine, re.M)
-        mm[cell] = millis(m[1], m[2]) / 2
+    prof = formats_profiles(run)
+    kernels, mm = ({p: row[key] for p, row in prof.items()} for key in ("kernels", "mm"))
     assert set(kernels) == set(fmt)
     rest = {p: kernels[p] - mm[p] for p in kernels}
     mixed, h200 = r50["amp_fp16"], [h200_run(p)[0]["amp_fp16"]["throughput"] for p in ("h200-2026-11-26",
@@ -376,10 +368,6 @@ def test_the_fifth_gpu_run_in_prose_is_its_data():
             f"formats {slower('mxfp8')} (mxfp8) and {slower('nvfp4')} (nvfp4) bf16's step time, against a bf16 cell "
             f"whose windows spread {100 * fmt['amp_bf16']['spread']:.0f}%") in readme
 
-
-
-def millis(value: str, unit: str) -> float:
-    return float(value) / (1e3 if unit == "us" else 1)
 
 
 def formats_profiles(run: str) -> dict[str, dict[str, float]]:
