@@ -105,7 +105,7 @@ def assert_same(got: Any, want: Any) -> None:
 
 def as_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """No compiled kernel, graph or direct call from earlier tests: what a new process starts with."""
-    for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs", "_fast"):
+    for table in ("_kernels", "_entries", "_directs", "_graphs", "_graph_directs", "_graph_fast", "_fast"):
         monkeypatch.setattr(compiled_calls, table, {})
 
 
@@ -572,6 +572,7 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
     graphs = compiled_calls._graphs
     monkeypatch.setattr(compiled_calls, "_graphs", {**graphs, **{k: (broken, graphs[k][1]) for k in mine}})
     monkeypatch.setattr(compiled_calls, "_graph_directs", {})
+    monkeypatch.setattr(compiled_calls, "_graph_fast", {})
     monkeypatch.setattr(compiled_calls, "_given_up", set())
     with fused.graphs("cpu"):
         got = linear_step(full_recipe("nvfp4 bf16"))
@@ -598,6 +599,32 @@ def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, mon
     assert_same(got, want)
     assert sorted(k.split("|")[0] for k in direct) == ["_linear_bwd", "_linear_fwd"]
     assert all(d.generated for d in compiled_calls._graph_directs.values() if d is not None)
+
+
+@pytest.mark.kernels("elements")
+def test_a_linear_graphs_later_calls_do_not_name_their_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a layout's third call on, ``call_graph`` finds its direct call by the arguments' layouts and
+    static values (``_graph_fast``), without building the variant's name and key: a few dozen
+    microseconds of host time a call, where a GPU's step is paced by its host. The reference's results;
+    a recipe built again (as each step here builds one) finds the same entry."""
+
+    class Named(dict):
+        gets = 0
+
+        def get(self, *args: Any) -> Any:
+            Named.gets += 1
+            return super().get(*args)
+
+    with fused.reference():
+        want = linear_step(rowwise_bf16_recipe)
+    with fused.graphs("cpu"):
+        for _ in range(2):
+            assert_same(linear_step(rowwise_bf16_recipe), want)
+        monkeypatch.setattr(compiled_calls, "_graph_directs", Named(compiled_calls._graph_directs))
+        got = linear_step(rowwise_bf16_recipe)
+    assert_same(got, want)
+    assert Named.gets == 0
+    assert {k[0].__name__ for k in compiled_calls._graph_fast} >= {"_linear_fwd", "_linear_bwd"}
 
 
 @pytest.mark.kernels("elements")

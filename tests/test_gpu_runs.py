@@ -523,3 +523,26 @@ def test_the_sixth_gpu_run_in_prose_is_its_data():
             f"the emulated formats {slower('mxfp8_bf16')} (mxfp8) and {slower('nvfp4_bf16')} (nvfp4) bf16's step "
             f"time with bf16 products: MXFP8's kernels take {ms(mx['kernels'])} of its {ms(step('mxfp8_bf16'))} step "
             f"(paced by the host), NVFP4's {ms(nv['kernels'])}") in readme
+
+
+def test_the_graph_host_bench_in_prose_is_its_data():
+    """docs/benchmarks/README.md's figures of the Linear graphs' host work on a CPU
+    (scripts/graph_host_bench.py), and the sixth GPU run's launches per graph call beside them."""
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    rows = {r["format"]: r for r in json.loads((BENCH_DIR / "cpu-2026-11-28-avx2-graph-host.json").read_text())["rows"]}
+    mx8, nv4 = rows["mxfp8"], rows["nvfp4"]
+    calls = {f: (r["python_calls_per_step"]["named"], r["python_calls_per_step"]["fast"]) for f, r in rows.items()}
+    ms = {f: (r["step_ms_cpu"]["named"], r["step_ms_cpu"]["fast"]) for f, r in rows.items()}
+    assert (f"MXFP8 {calls['mxfp8'][0]:,.0f} named, {calls['mxfp8'][1]:,.0f} fast; NVFP4 {calls['nvfp4'][0]:,.0f} and "
+            f"{calls['nvfp4'][1]:,.0f}") in text
+    fewer = [round((calls[f][0] - calls[f][1]) / rows[f]["graph_calls_per_step"]) for f in ("mxfp8", "nvfp4")]
+    assert (f"{fewer[0]} and {fewer[1]} fewer per graph call ({mx8['graph_calls_per_step']} and "
+            f"{nv4['graph_calls_per_step']} graph calls a step)") in text
+    assert (f"MXFP8 {ms['mxfp8'][0]:.2f} ms named, {ms['mxfp8'][1]:.2f} ms fast; NVFP4 {ms['nvfp4'][0]:.2f} ms and "
+            f"{ms['nvfp4'][1]:.2f} ms") in text
+    spreads = [v for r in rows.values() for v in r["spread_cpu"].values()]
+    assert f"The rounds spread {min(spreads):.0%} to {max(spreads):.0%}" in text
+    assert all(r["same_losses"] for r in rows.values()) and "Both ways computed the same losses" in text
+    per_call = [row["launches"] / (row["graph calls"] / 2) for row in formats_profiles("h200-2026-11-28").values()
+                if row["graph calls"]]
+    assert f"{min(per_call):.1f} to {max(per_call):.1f} launches per graph call in the sixth run's profiles" in text
