@@ -504,7 +504,8 @@ _directs: dict[tuple[Any, ...], _Direct | None] = {}
 _graphs: dict[str, tuple[Callable[..., Any], _Inductor]] = {}
 _graph_directs: dict[tuple[Any, ...], _Direct | None] = {}
 # (body, then per argument: a tensor's shape, strides, dtype and device; a recipe's graph_key; any
-# other argument's type and value) -> the direct call, from a layout's second direct call on
+# other argument's type and value) -> the direct call, kept at a layout's second call (the first
+# found by its name and key), found from its third on
 _graph_fast: dict[tuple[Any, ...], _Direct] = {}
 
 
