@@ -628,6 +628,43 @@ def test_a_linear_graphs_later_calls_do_not_name_their_variant(monkeypatch: pyte
 
 
 @pytest.mark.kernels("elements")
+def test_a_given_up_graph_variant_runs_eagerly_in_the_layouts_it_had(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph variant given up on a new layout (its graph cannot be built, or dynamo's recompile limit)
+    runs eagerly from then on in the layouts it already had direct calls for, too, as its log line
+    says; the other direction keeps its graph."""
+    monkeypatch.setattr(compiled_calls, "_graph_fast", dict(compiled_calls._graph_fast))
+    monkeypatch.setattr(compiled_calls, "_given_up", set())
+    direct: list[str] = []
+    real = compiled_calls._Direct.__call__
+    monkeypatch.setattr(compiled_calls._Direct, "__call__",
+                        lambda self, x, args: direct.append(self.key) or real(self, x, args))
+    with fused.reference():
+        want = linear_step(rowwise_bf16_recipe)
+    with fused.graphs("cpu"):
+        for _ in range(3):
+            linear_step(rowwise_bf16_recipe)
+        variant = {k[0].__name__: d.key for k, d in compiled_calls._graph_fast.items()
+                   if rowwise_bf16_recipe().graph_key() in k and k[1][0][0] == 37}  # fmt: skip
+        assert set(variant) == {"_linear_fwd", "_linear_bwd"}
+
+        def broken(*args: Any) -> Any:
+            raise RuntimeError("no compiler")
+
+        fwd = variant["_linear_fwd"]
+        monkeypatch.setitem(compiled_calls._graphs, fwd, (broken, compiled_calls._graphs[fwd][1]))
+        g = torch.Generator().manual_seed(3)
+        x, w, b = torch.randn(5, 48, generator=g), torch.randn(40, 48, generator=g), torch.randn(40, generator=g)
+        QuantLinearFn.apply(x, w, b, rowwise_bf16_recipe())  # the forward's variant, in a layout of 5 rows
+        assert compiled_calls._given_up == {fwd}
+        del direct[:]
+        got = linear_step(rowwise_bf16_recipe)
+    assert_same(got, want)
+    # the forward's quantizers ran as kernels of their own (their direct calls), the backward as its graph
+    assert [k for k in direct if k.startswith("_linear")] == [variant["_linear_bwd"]]
+    assert any(k.startswith("axis") for k in direct)
+
+
+@pytest.mark.kernels("elements")
 def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bf16 operands a Linear's graph gives its GEMMs are laid out as the eager path lays them out.
     Inductor once wrote wgrad's bf16 copy of x transposed (a cast is laid out row-major in its

@@ -569,6 +569,8 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
                                args[1:])
     except Exception as exc:  # past the recompile limit, or a graph dynamo or inductor cannot build
         _given_up.add(variant)
+        for layout in [f for f, d in _graph_fast.items() if d.key == variant]:  # eager in every layout
+            del _graph_fast[layout]
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         log.warning("fused GEMM graph %s: %s; its calls run eagerly from here on", variant, reason)
         return body(*args)
