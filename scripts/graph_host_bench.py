@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     with fused.graphs("cpu"):
         for fmt in args.formats.split(","):
             steps = {way: build(fmt, args.compute) for way in ways}
-            losses = {way: [] for way in ways}
+            losses: dict[str, list[float]] = {}
             for way, context in ways.items():
                 with context():
                     losses[way] = [steps[way]() for _ in range(4)]  # compiles, then direct calls

@@ -509,6 +509,15 @@ _graph_directs: dict[tuple[Any, ...], _Direct | None] = {}
 _graph_fast: dict[tuple[Any, ...], _Direct] = {}
 
 
+def _graph_sig(a: Any) -> str:
+    """An argument's part of a graph variant's name (``call_graph``)."""
+    if isinstance(a, Tensor):
+        return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
+    if hasattr(a, "graph_key"):  # a GEMM recipe
+        return a.graph_key()
+    return "-" if a is None else repr(a).replace(" ", "")
+
+
 def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     """``body(*args)`` as one compiled graph, the fused quantizers traced into it: a layer's GEMMs in
     one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
@@ -516,12 +525,6 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     dims name it, and every other dim is dynamic, so that a model's layers share a few graphs and
     never hit dynamo's recompile limit. After a compile failure of a variant, its calls run ``body``
     eagerly."""
-    def sig(a: Any) -> str:
-        if isinstance(a, Tensor):
-            return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
-        if hasattr(a, "graph_key"):  # a GEMM recipe
-            return a.graph_key()
-        return "-" if a is None else repr(a).replace(" ", "")
     if torch.compiler.is_compiling():  # a user's torch.compile around the layers: traced into theirs
         return body(*args)
     # From a layout's third call on, its direct call is found by the parts of what names its variant
@@ -538,7 +541,7 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         if found is not None:
             rest = [a.detach() if isinstance(a, Tensor) else a for a in args[1:]]
             return found(args[0].detach(), tuple(rest))
-    variant = body.__name__ + "|" + ",".join(sig(a) for a in args)
+    variant = body.__name__ + "|" + ",".join(_graph_sig(a) for a in args)
     if variant in _given_up:
         return body(*args)
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
