@@ -265,7 +265,8 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # Blocks along the contiguous dim (B = 1) inline MX's scales: stored, an MXFP8 (2048, 64) kernel was
     # slower on an AVX-512 CPU. NVFP4's are kept there too: inlined, its scale (an E4M3 rounding under
     # the tensor scale, five divisions) ran once per vector of every block. Replayed side by side, an
-    # NVFP4 ResNet-50/8 step's B = 1 calls took 6% to 22% less time kept, per kind, on an AVX2 CPU.
+    # NVFP4 ResNet-50/8 step's B = 1 calls took less time kept in every kind of call, on an AVX2 CPU
+    # (scripts/kept_scales_bench.py).
     keep = b != 1 or kind == "nvfp4"
     return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if keep else ())
 

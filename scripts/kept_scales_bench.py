@@ -1,0 +1,144 @@
+"""NVFP4's per-block scales kept or inlined in the block kernel, side by side in one process, on a CPU.
+
+``fused_kernels._k_blocks`` returns its per-block scales as extra outputs (``_kept``) that callers
+drop: stored once, the rounding loop loads them; dropped, inductor inlines their arithmetic into
+every vector of the element loop. Blocks along the contiguous dim (B = 1) kept NVFP4's scales from
+a333812 on. This replays one NVFP4 ResNet-50/8 step's B = 1 block-kernel calls (recorded through the
+library's call path) two ways, each through ``compiled_calls._call`` as a kernel of its own:
+
+- ``inlined``: the same body with the kept outputs dropped (inductor inlines the scales, as before);
+- ``kept``: the library's kernel.
+
+Both return the same values bit for bit (checked on every call here). Reported per kind of call (to
+nearest or stochastic, rotated or not): the minimum over interleaved rounds of the CPU time of all
+that kind's calls of one step.
+
+    python scripts/kept_scales_bench.py --out docs/benchmarks --name cpu-2026-11-28-avx2-kept-scales
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_formats  # the script beside this one (its directory leads sys.path)
+import torch
+
+from mptrain.bench.common import stamp
+from mptrain.numerics import compiled_calls, fused, fused_kernels, rounding_rng
+
+Call = tuple[str, torch.Tensor, tuple[Any, ...]]
+
+
+def _inlined(x3: torch.Tensor, pf: torch.Tensor, pi: torch.Tensor, kind: str, short: bool, keys: torch.Tensor | None,
+             counter: torch.Tensor | None, rot: torch.Tensor | None = None) -> tuple[Any, ...]:
+    # The body's own parameter names: a direct call (compiled_calls._Direct) maps the graph's inputs
+    # by them, and without one every call would pay dynamo's ~25 us and make the comparison unfair.
+    return fused_kernels._k_blocks(x3, pf, pi, kind, short, keys, counter, rot)[:2]
+
+
+def record() -> list[Call]:
+    """One NVFP4 ResNet-50/8 step's block-kernel calls with B == 1 (after three warm-up steps)."""
+    rounding_rng.seed_rounding(0)
+    _, batch, shape, classes = bench_formats.MODELS["resnet50/8"]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    cell = bench_formats.build("resnet50/8", "nvfp4")
+    assert not isinstance(cell, str)
+    for _ in range(3):
+        bench_formats.step(cell, x, y)
+    calls: list[Call] = []
+    real = compiled_calls._call
+
+    def rec(name: str, options: str, x3: torch.Tensor, *args: Any) -> Any:
+        if name == "blocks" and x3.dim() == 3 and x3.shape[2] == 1:
+            calls.append((options, x3.detach().clone(),
+                          tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
+        return real(name, options, x3, *args)
+
+    fused._call = rec  # type: ignore[assignment]
+    try:
+        with compiled_calls.through_dynamo():  # every call through _call (no kept paths)
+            bench_formats.step(cell, x, y)
+    finally:
+        fused._call = real  # type: ignore[assignment]
+    return calls
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    ap.add_argument("--name", default="cpu-kept-scales")
+    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    torch.set_num_threads(1)
+    info = stamp(torch.device("cpu"), argv, 1)
+    info["command"] = "python scripts/kept_scales_bench.py " + " ".join(argv)
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    calls = record()
+    compiled_calls._BODIES["blocks_inlined"] = _inlined
+    compiled_calls._PURE = compiled_calls._PURE | {"blocks_inlined"}
+    kinds: dict[str, list[Call]] = {}
+    for c in calls:  # args: pf, pi, kind, short, keys, counter, rot
+        kinds.setdefault(("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else ""),
+                         []).append(c)  # fmt: skip
+    ways = {"inlined": "blocks_inlined", "kept": "blocks"}
+    direct: dict[str, int] = {}
+    rows = []
+    for kind, group in kinds.items():
+        for options, x3, a in group:  # compiles both, and checks them bit for bit
+            got = [compiled_calls._call(name, options, x3, *a)[0] for name in ways.values()]
+            assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32)), kind
+        for options, x3, a in group:  # each way's calls go direct (the library's path), not through dynamo
+            for name in ways.values():
+                sig = compiled_calls._signature(name, options, x3.detach(), a)
+                direct[name] = direct.get(name, 0) + (compiled_calls._directs.get(sig) is not None)
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(args.rounds):
+            for way, name in ways.items():
+                t0 = time.process_time()
+                for options, x3, a in group:
+                    compiled_calls._call(name, options, x3, *a)
+                times[way].append(time.process_time() - t0)
+        ms = {way: round(1e3 * min(t), 3) for way, t in times.items()}
+        rows.append({"kind": kind, "calls": len(group), "elements": sum(c[1].numel() for c in group), "ms_cpu": ms,
+                     "kept_vs_inlined": round(ms["kept"] / ms["inlined"], 3)})  # fmt: skip
+    assert direct["blocks"] == direct["blocks_inlined"] == len(calls), direct
+    result = {"info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]}, "rounds": args.rounds,
+              "rows": rows}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+def markdown(r: dict[str, Any]) -> str:
+    info = r["info"]
+    lines = [
+        "# NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side",
+        "",
+        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
+        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
+        f"- date: {info['date']}; load average at start {' / '.join(map(str, info['load_average_start']))}, "
+        f"at end {' / '.join(map(str, info['load_average_end']))}",
+        f"- command: `{info['command']}`",
+        f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of the CPU time of "
+        "one step's calls of each kind; both ways bit-identical on every call",
+        "",
+        "| calls | number | elements | inlined ms | kept ms | kept / inlined |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        lines.append(f"| {row['kind']} | {row['calls']} | {row['elements']:,} | {row['ms_cpu']['inlined']:.2f} | "
+                     f"{row['ms_cpu']['kept']:.2f} | {row['kept_vs_inlined']:.2f}x |")
+    return "\n".join([*lines, ""])
+
+
+if __name__ == "__main__":
+    main()
