@@ -263,11 +263,12 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
         u = uniform_from_index(idx, ka, kb)
     q = _round(blocks * mult, pf, pi, u)
     # Blocks along the contiguous dim (B = 1) inline MX's scales: stored, an MXFP8 (2048, 64) kernel was
-    # slower on an AVX-512 CPU. NVFP4's are kept there too: inlined, its scale (an E4M3 rounding under
-    # the tensor scale, five divisions) ran once per vector of every block. Replayed side by side, an
-    # NVFP4 ResNet-50/8 step's B = 1 calls took less time kept in every kind of call, on an AVX2 CPU
-    # (scripts/kept_scales_bench.py).
-    keep = b != 1 or kind == "nvfp4"
+    # slower on an AVX-512 CPU. On a CPU, NVFP4's are kept there too: inlined, its scale (an E4M3
+    # rounding under the tensor scale, five divisions) ran once per vector of every block. Replayed
+    # side by side, an NVFP4 ResNet-50/8 step's B = 1 calls took less time kept in every kind of call,
+    # on an AVX2 CPU (scripts/kept_scales_bench.py). Measured on CPU only. (Its draw keys, kept as
+    # well, gained nothing measurable there.)
+    keep = b != 1 or (kind == "nvfp4" and x3.device.type == "cpu")
     return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if keep else ())
 
 
