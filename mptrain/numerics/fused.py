@@ -471,6 +471,8 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     options = plan.options if rot is None else plan.options + "r"
     args = (pf, pi, kind, plan.short, keys, counter, rot)
     local, t_scale = _call("blocks", options, x3, *args)[:2]
+    if local.dim() == 4:  # the kernel's blocks' shape (fused_kernels._k_blocks)
+        local = local.view(x3.shape)
     local = _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout)
     if not (plan.copy or plan.pad or torch.compiler.is_compiling()) and _may_keep(stochastic, generator):
         _keep_fast(_fast_key("blocks", fmt, dim, stochastic, x, rot), "blocks", options, x3, args, (0, 5, 6, 7), local,
