@@ -2,11 +2,13 @@
 
 ``fused_kernels._k_blocks`` returns its per-block scales as extra outputs (``_kept``) that callers
 drop: stored once, the rounding loop loads them; dropped, inductor inlines their arithmetic into
-every vector of the element loop. Blocks along the contiguous dim (B = 1) kept NVFP4's scales from
-a333812 on. This replays one NVFP4 ResNet-50/8 step's B = 1 block-kernel calls (recorded through the
-library's call path) two ways, each through ``compiled_calls._call`` as a kernel of its own:
+every vector of the element loop. Blocks along the contiguous dim (B = 1) keep NVFP4's scales on a
+CPU from a333812 on, and return their blocks' shape from 0220b68 on. This replays one NVFP4
+ResNet-50/8 step's B = 1 block-kernel calls (recorded through the library's call path) two ways,
+each through ``compiled_calls._call`` as a kernel of its own:
 
-- ``inlined``: the same body with the kept outputs dropped (inductor inlines the scales, as before);
+- ``inlined``: the same body with the kept outputs dropped (inductor inlines the scales, as before
+  a333812);
 - ``kept``: the library's kernel.
 
 Both return the same values bit for bit (checked on every call here). Reported per kind of call (to
