@@ -269,11 +269,12 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # on an AVX2 CPU (scripts/kept_scales_bench.py). Measured on CPU only. (Its draw keys, kept as
     # well, gained nothing measurable there.)
     keep = b != 1 or (kind == "nvfp4" and x3.device.type == "cpu")
-    if keep and b == 1 and not short:
-        # In its blocks' shape: viewed as (A, N, 1) here, inductor wrote the result once more into a
-        # buffer of that shape (it saw no view, with the scales kept), a full extra pass. The caller views.
-        return q * local_scale, t_scale, *_kept(mult, local_scale)
-    return (q * local_scale).view(a, n, b), t_scale, *(_kept(mult, local_scale) if keep else ())
+    local = q * local_scale
+    # Kept scales with B = 1 return the blocks' shape, which the caller views: viewed as (A, N, 1) here,
+    # inductor wrote the result once more into a buffer of that shape (it saw no view), a full pass.
+    if not (keep and b == 1 and not short):
+        local = local.view(a, n, b)
+    return local, t_scale, *(_kept(mult, local_scale) if keep else ())
 
 
 def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
