@@ -301,23 +301,28 @@ def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rounding mode on tiles in several layouts, one kernel graph each: a single row of tiles
     (a classifier head's weight, here 10 rows) runs with a row of zero tiles under it rather than
     compiling its kernel again, and, rounded to nearest, a single column (10 inputs) with a column
-    of zero tiles beside it."""
+    of zero tiles beside it. Each layout's second call takes its kept path (``fused._tiled``)."""
     as_a_fresh_process(monkeypatch)
+    kept: list[torch.Size] = []
+    real = fused._tiled
+    monkeypatch.setattr(fused, "_tiled", lambda *a: kept.append(a[2].shape) or real(*a))
     w = adversarial(48, 40, seed=10)  # 3 x 3 tiles of 16, or 2 x 2 of 32, padded
     w4 = adversarial(24, 40, seed=11).view(24, 40, 1, 1).permute(2, 3, 0, 1)  # a conv weight's (kh, kw, out, in) view
     head = adversarial(10, 40, seed=12)  # one row of tiles in either format
     column = adversarial(40, 10, seed=13)  # one column: stochastic rounding compiles it again (fused._blocks)
     for x in (w, w4, head, column):
-        assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, block_2d=True)))
-        if x is column:
-            continue
-        a, b = stream_pair()
-        got = fused.quantize_blocks(x, fmt, stochastic=True, generator=a, block_2d=True)
-        with fused.reference():
-            want = fused.quantize_blocks(x, fmt, stochastic=True, generator=b, block_2d=True)
-        assert_same(got, want)
+        for _ in range(2):
+            assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, block_2d=True)))
+            if x is column:
+                continue
+            a, b = stream_pair()
+            got = fused.quantize_blocks(x, fmt, stochastic=True, generator=a, block_2d=True)
+            with fused.reference():
+                want = fused.quantize_blocks(x, fmt, stochastic=True, generator=b, block_2d=True)
+            assert_same(got, want)
     tiles = {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items() if k.startswith("tiles")}
     assert len(tiles) == 2 and set(tiles.values()) == {1}, tiles
+    assert kept == [w.shape] * 2 + [w4.shape] * 2 + [head.shape] * 2 + [column.shape]
 
 
 @pytest.mark.kernels("blocks")
@@ -345,7 +350,14 @@ def test_a_new_trace_of_a_block_kernel_loads_from_the_caches(monkeypatch: pytest
 
 @pytest.mark.kernels("elements")
 @pytest.mark.parametrize("fmt", [nf.E4M3, nf.E5M2], ids=lambda f: f.name)
-def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
+def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A narrow layout's repeated calls take its kept path (fused._transposed); the kernels compiled by
+    # earlier tests stay, their kept paths are made afresh here.
+    narrow: list[torch.Size] = []
+    real = fused._transposed
+    monkeypatch.setattr(fused, "_transposed", lambda *a: narrow.append(a[2].shape) or real(*a))
+    for table in ("_directs", "_fast"):
+        monkeypatch.setattr(compiled_calls, table, {})
     x = adversarial(64, 96, seed=12)
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     for t in (x, finite, finite * 1e-30, torch.zeros_like(x)):
@@ -366,6 +378,15 @@ def test_fp8_per_tensor_and_rowwise(fmt: nf.ElementFormat) -> None:
             with fused.reference():
                 want = fused.axiswise_round(view, fmt, dim, stochastic=True, generator=b)
             assert_same(got, want)
+    # the 2x2 map's calls after the first of each rounding, through the kept path
+    assert narrow == [(96, 16, 2, 2)] * 6
+    # which leaves the result in x's own layout, as the first call: here (n, A, B) stored as (A, n, B)
+    view = x.reshape(16, 96, 4).transpose(0, 1)
+    for _ in range(2):
+        got, want = both(lambda: fused.axiswise_round(view, fmt, 0))
+        assert_same(got, want)
+        assert got.stride() == view.stride()
+    assert len(narrow) == 7
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,7 +762,9 @@ def test_blocks_on_cuda_in_every_layout(fmt: BlockFormat, device: str) -> None:
         assert_same(got, want), name
 
 
-@pytest.mark.skipif(not hasattr(torch._inductor.config, "numerics"), reason="torch < 2.15 has no numerics switch")
+# torch 2.14 has a config called numerics too, without "strict_pointwise" (it changes nothing there)
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 15),
+                    reason="torch < 2.15 has no strict_pointwise numerics")
 def test_kernels_compile_with_inductors_own_eager_pointwise_numerics() -> None:
     """Every fused kernel and graph compiles with what torch itself calls eager-compatible pointwise
     math (inductor's numerics="strict_pointwise"): without one of its settings a Triton kernel rounds
@@ -822,8 +845,10 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
     assert {k for k, d in compiled_calls._directs.items() if d is None} == set()
     # and each calls inductor's generated code, outside AOTAutograd's wrappers (torch 2.11 to 2.15)
     assert {k for k, d in compiled_calls._directs.items() if not d.generated} == set()  # type: ignore[union-attr]
-    # the plain block and row-wise calls (no copy, no padding) repeat without the entry points' planning
-    assert {k[0] for k in compiled_calls._fast} == {"blocks", "axis"} and len(read) >= 2 * len(fmts) * 5 and all(read)
+    # the plain block and row-wise calls (no copy, no padding) and the tile calls repeat without the
+    # entry points' planning
+    assert {k[0] for k in compiled_calls._fast} == {"blocks", "axis", "tiles"} and len(read) >= 2 * len(fmts) * 5
+    assert all(read)
     del direct[:]
     with compiled_calls.through_dynamo():  # the benchmarks' other side: every call through torch.compile's entry
         got, want = both(lambda: calls[0][1](calls[0][2].to(device)))

@@ -5,7 +5,7 @@ graph (``call_graph``, for ``qgemm`` on CUDA).
 A call into ``torch.compile``'d code costs tens of microseconds of host time (dynamo's frame
 evaluation and guards, AOTAutograd's runtime wrappers) around kernels of a few. From its second time
 on, a call with the same shape, strides, dtype and static options calls the compiled function
-directly (``_Direct``), and a plain block or row-wise call skips its entry point's planning as well
+directly (``_Direct``), and a block, row-wise or tile call skips its entry point's planning as well
 (``_Fast``, which ``fused`` keeps). torch.compile has no such entry of its own, and CUDA graphs,
 which would replay the kernels, do not exist on a CPU: hence this module.
 """
@@ -422,9 +422,9 @@ class _Fast:
 
     Why: around a kernel of a few microseconds, the entry points spent ~10 us more a call deciding
     again what the signature decides (the plan, the views, the constants, the direct call's
-    inputs); a ResNet-50/8 step makes 224 to 322 such calls. Only for the plain path (x viewed in
-    place, no padding, no copy) and only where the direct call is inductor's generated code; the
-    rest keeps the full path, which builds these."""
+    inputs); a ResNet-50/8 step makes 224 to 322 such calls. Only where the direct call is
+    inductor's generated code; on x viewed in place, or, wrapped by ``fused``, on the copy or the
+    padded operand the kernel reads. The rest keeps the full path, which builds these."""
 
     __slots__ = ("back", "fill", "fn", "owner", "rest", "template", "three")
 
@@ -463,8 +463,11 @@ class _Fast:
         return outs[0].as_strided(*self.back), *(None if j is None else outs[j] for j in self.rest)
 
 
-# (entry point, static arguments, x's shape, strides, dtype, device) -> its _Fast
-_fast: dict[tuple[Any, ...], _Fast] = {}
+# a kept path: (x, the per-call arguments) -> the entry point's outputs
+Kept = Callable[[Tensor, tuple[Any, ...]], tuple[Tensor | None, ...]]
+
+# (entry point, static arguments, x's shape, strides, dtype, device) -> its _Fast (or a wrapper of one)
+_fast: dict[tuple[Any, ...], Kept] = {}
 
 
 def _fast_key(name: str, fmt: object, dim: int, stochastic: bool, x: Tensor,
@@ -474,17 +477,20 @@ def _fast_key(name: str, fmt: object, dim: int, stochastic: bool, x: Tensor,
 
 
 def _keep_fast(key: tuple[Any, ...], name: str, options: str, x3: Tensor, args: tuple[Any, ...],
-               per_call: tuple[int, ...], local: Tensor, outputs: int, owner: object) -> None:
+               per_call: tuple[int, ...], local: Tensor, outputs: int, owner: object,
+               wrap: Callable[[_Fast], Kept] | None = None) -> None:
     """After a plain call through ``_call`` with ``args``: its ``_Fast``, where its direct call is
     inductor's code. ``per_call``: the positions in (x3, *args) of what changes between calls (x's
-    view, the stream's keys and counter, a rotation); ``local``: the output in x's layout."""
+    view, the stream's keys and counter, a rotation); ``local``: the output in x's layout. ``wrap``:
+    what runs around it (kept under ``key`` instead), where the kernel read a copy of x."""
     if key in _fast or not _direct_calls:
         return
     direct = _directs.get(_signature(name, options, x3, args))
     if direct is None or not direct.generated:
         return
     with contextlib.suppress(ValueError):
-        _fast[key] = _Fast(direct, (x3, *args), per_call, x3, local, outputs, owner)
+        fast = _Fast(direct, (x3, *args), per_call, x3, local, outputs, owner)
+        _fast[key] = fast if wrap is None else wrap(fast)
 
 
 def _constant(placeholder: str) -> Tensor | None:
