@@ -1368,3 +1368,40 @@ def test_the_kept_scales_runs_in_prose_are_their_data() -> None:
     ]
     for phrase in phrases:
         assert phrase in text, phrase
+
+
+def test_the_kept_paths_runs_in_prose_are_their_data() -> None:
+    """docs/benchmarks/README.md's section on the narrow row-wise and 2D tile calls' kept paths: the
+    side-by-side replay's table and what it saves, and the ResNet-50/8 run at 7256ee7 against the
+    seven earlier AVX2 runs."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs/benchmarks/README.md").read_text().split())
+    kept = json.loads((root / "docs/benchmarks/cpu-2026-11-28-avx2-kept-paths.json").read_text())["rows"]
+    runs = [{r["mode"]: r for r in json.loads((root / f"docs/benchmarks/{n}.json").read_text())["rows"]
+             if r["model"] == "resnet50/8"} for n in (
+        "cpu-2026-11-27-avx2-fused-formats", "cpu-2026-11-27-avx2-fused-formats-resnet-repeat",
+        "cpu-2026-11-28-avx2-fused-formats", "cpu-2026-11-28-avx2-fused-formats-quiet",
+        "cpu-2026-11-28-avx2-one-graph-ba037f5", "cpu-2026-11-28-avx2-one-graph-471bbd9",
+        "cpu-2026-11-28-avx2-resnet-kept-scales-a333812", "cpu-2026-11-28-avx2-resnet-kept-paths-7256ee7")]  # fmt: skip
+    run = runs[-1]
+    assert all(r["ms_cpu"]["kept"] < r["ms_cpu"]["full"] for r in kept)
+    nv_target, row_target = FORMAT_TARGETS["resnet50/8", "nvfp4"], FORMAT_TARGETS["resnet50/8", "fp8 hybrid rowwise"]
+    met = sum(e["nvfp4"]["vs_fp32_cpu"] <= nv_target for e in runs)
+    assert min(e["fp8 hybrid rowwise"]["vs_fp32_cpu"] for e in runs[-2:]) > row_target  # "as at a333812"
+    rowwise, nvfp4 = kept  # the script's order
+    names = [("fp8 hybrid", "FP8 hybrid"), ("fp8 hybrid tensor", "its per-tensor recipe"), ("mxfp8", "MXFP8"),
+             ("mxfp6", "MXFP6")]  # fmt: skip
+    others = ", ".join(f"{run[m]['vs_fp32_cpu']:.2f}× ({n})" for m, n in names)
+    phrases = [f"| {r['kind']} | {r['calls']} | {r['ms_cpu']['full']:.2f} | {r['ms_cpu']['kept']:.2f} | "
+               f"{r['kept_vs_full']:.2f}× |" for r in kept]  # fmt: skip
+    phrases += [
+        f"That is {rowwise['saved_ms']:.2f} ms of a row-wise FP8 step ({rowwise['step_ms_cpu']:.1f} ms in the same "
+        f"process) and {nvfp4['saved_ms']:.2f} ms of an NVFP4 step ({nvfp4['step_ms_cpu']:.1f} ms).",
+        f"FP32's step took {run['fp32']['step_ms_cpu']:.1f} ms. NVFP4 measured {run['nvfp4']['vs_fp32_cpu']:.2f}× "
+        f"FP32, at or under {nv_target:.0f}× in {('one', 'two', 'three', 'four')[met - 1]} of the eight AVX2 runs of "
+        "these cells, so still not met.",
+        f"Row-wise FP8 measured {run['fp8 hybrid rowwise']['vs_fp32_cpu']:.2f}×, over {row_target:.0f}× as at a333812.",
+        f"The others measured {others} and {run['mxfp4']['vs_fp32_cpu']:.2f}× (MXFP4).",
+    ]
+    for phrase in phrases:
+        assert phrase in text, phrase
