@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import json
-import os
 import pstats
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,7 +32,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from mptrain.bench.common import stamp
+from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
 from mptrain.config import MXPrecisionConfig
 from mptrain.models.transformer import TransformerLanguageModel
 from mptrain.numerics import compiled_calls, fused, rounding_rng
@@ -120,12 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-graph-host")
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    torch.set_num_threads(1)
+    info = cpu_script_stamp("graph_host_bench.py", argv)
     rounding_rng.seed_rounding(0)
-    info = stamp(torch.device("cpu"), argv, 1)
-    info["command"] = "python scripts/graph_host_bench.py " + " ".join(argv)
-    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     ways: dict[str, Callable[[], Any]] = {"named": named, "fast": contextlib.nullcontext}
     rows = []
     with fused.graphs("cpu"):
@@ -155,31 +148,23 @@ def main(argv: list[str] | None = None) -> None:
                 "python_calls_per_step": calls, "same_losses": losses["named"] == losses["fast"],
                 "graph_calls_per_step": graphs,
             })  # fmt: skip
-    result = {"info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]},
+    result = {"info": info | {"load_average_end": load_averages()},
               "model": {"vocab": VOCAB, "d_model": D_MODEL, "layers": LAYERS, "heads": HEADS, "tokens": TOKENS,
                         "rows": ROWS},
               "compute": args.compute, "rounds": args.rounds, "steps": args.steps, "rows": rows}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
 def markdown(r: dict[str, Any]) -> str:
     info, m = r["info"], r["model"]
     lines = [
-        "# Host time of an emulated step with the Linear graphs on (the CUDA path), on a CPU",
-        "",
-        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
-        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
-        f"- date: {info['date']}; load average at start {' / '.join(map(str, info['load_average_start']))}, "
-        f"at end {' / '.join(map(str, info['load_average_end']))}",
-        f"- command: `{info['command']}`",
-        f"- model: transformer LM, {m['layers']} layers, d_model {m['d_model']}, vocab {m['vocab']}, "
-        f"{m['rows']} x {m['tokens']} tokens; precision=mx, emulated_compute={r['compute']}; AdamW (for-loop)",
-        f"- method: see the script's docstring; {r['rounds']} interleaved rounds of {r['steps']} steps each way, "
-        "median CPU time of a step; Python calls a step from cProfile over 5 steps",
-        "",
+        *cpu_header(info, "Host time of an emulated step with the Linear graphs on (the CUDA path), on a CPU",
+                    f"- model: transformer LM, {m['layers']} layers, d_model {m['d_model']}, vocab {m['vocab']}, "
+                    f"{m['rows']} x {m['tokens']} tokens; precision=mx, emulated_compute={r['compute']}; AdamW "
+                    "(for-loop)",
+                    f"- method: see the script's docstring; {r['rounds']} interleaved rounds of {r['steps']} steps "
+                    "each way, median CPU time of a step; Python calls a step from cProfile over 5 steps"),
         "| format | way | step ms (CPU) | spread | Python calls a step | graph calls a step | same losses |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -23,10 +23,7 @@ kind's calls of one step, and its share of the step's median time in the same pr
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +32,7 @@ from typing import Any
 import bench_formats  # the script beside this one (its directory leads sys.path)
 import torch
 
-from mptrain.bench.common import stamp
+from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
 from mptrain.numerics import fused, rounding_rng
 
 Call = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
@@ -109,11 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-kept-paths")
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    torch.set_num_threads(1)
-    info = stamp(torch.device("cpu"), argv, 1)
-    info["command"] = "python scripts/kept_paths_bench.py " + " ".join(argv)
-    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info = cpu_script_stamp("kept_paths_bench.py", argv)
     rows = []
     for kind, (mode, entry, pick) in KINDS.items():
         calls, cell, x, y = record(mode, entry, pick)
@@ -142,28 +135,18 @@ def main(argv: list[str] | None = None) -> None:
                      "saved_ms": round(ms["full"] - ms["kept"], 3), "kept_vs_full": round(ms["kept"] / ms["full"], 3),
                      "step_ms_cpu": step_ms})  # fmt: skip
         print(rows[-1], flush=True)
-    result = {"info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]}, "rounds": args.rounds,
-              "rows": rows}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
+    write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
 def markdown(r: dict[str, Any]) -> str:
-    info = r["info"]
     lines = [
-        "# Kept paths for narrow row-wise calls and 2D tile calls: one ResNet-50/8 step's calls, side by side",
-        "",
-        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
-        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
-        f"- date: {info['date']}; load average at start {' / '.join(map(str, info['load_average_start']))}, "
-        f"at end {' / '.join(map(str, info['load_average_end']))}",
-        f"- command: `{info['command']}`",
-        f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of the CPU time of "
-        "one step's calls of each kind; both ways bit-identical on every call; step: the median CPU time of one "
-        "training step of that mode, a step after each round",
-        "",
+        *cpu_header(r["info"], "Kept paths for narrow row-wise calls and 2D tile calls: one ResNet-50/8 step's "
+                    "calls, side by side",
+                    f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of "
+                    "the CPU time of one step's calls of each kind; both ways bit-identical on every call; "
+                    "step: the median CPU time of one training step of that mode, a step after each round"),
         "| calls | number | elements | full path ms | kept path ms | kept / full | saved ms | step ms |",
         "|---|---|---|---|---|---|---|---|",
     ]

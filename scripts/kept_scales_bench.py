@@ -21,9 +21,6 @@ that kind's calls of one step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +28,7 @@ from typing import Any
 import bench_formats  # the script beside this one (its directory leads sys.path)
 import torch
 
-from mptrain.bench.common import stamp
+from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
 from mptrain.numerics import compiled_calls, fused, fused_kernels, rounding_rng
 
 Call = tuple[str, torch.Tensor, tuple[Any, ...]]
@@ -78,11 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-kept-scales")
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    torch.set_num_threads(1)
-    info = stamp(torch.device("cpu"), argv, 1)
-    info["command"] = "python scripts/kept_scales_bench.py " + " ".join(argv)
-    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info = cpu_script_stamp("kept_scales_bench.py", argv)
     calls = record()
     compiled_calls._BODIES["blocks_inlined"] = _inlined
     compiled_calls._PURE = compiled_calls._PURE | {"blocks_inlined"}
@@ -112,27 +105,17 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"kind": kind, "calls": len(group), "elements": sum(c[1].numel() for c in group), "ms_cpu": ms,
                      "kept_vs_inlined": round(ms["kept"] / ms["inlined"], 3)})  # fmt: skip
     assert direct["blocks"] == direct["blocks_inlined"] == len(calls), direct
-    result = {"info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]}, "rounds": args.rounds,
-              "rows": rows}  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
+    write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
 def markdown(r: dict[str, Any]) -> str:
-    info = r["info"]
     lines = [
-        "# NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side",
-        "",
-        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
-        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
-        f"- date: {info['date']}; load average at start {' / '.join(map(str, info['load_average_start']))}, "
-        f"at end {' / '.join(map(str, info['load_average_end']))}",
-        f"- command: `{info['command']}`",
-        f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of the CPU time of "
-        "one step's calls of each kind; both ways bit-identical on every call",
-        "",
+        *cpu_header(r["info"], "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block "
+                    "calls, side by side",
+                    f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of "
+                    "the CPU time of one step's calls of each kind; both ways bit-identical on every call"),
         "| calls | number | elements | inlined ms | kept ms | kept / inlined |",
         "|---|---|---|---|---|---|",
     ]

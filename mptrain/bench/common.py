@@ -7,10 +7,12 @@ importing each other.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import re
 import shlex
+import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -53,3 +55,43 @@ def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]
 
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def load_averages() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded: what a CPU benchmark states beside its figures."""
+    return [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else []
+
+
+def write_report(out: Path, name: str, result: dict[str, Any], markdown: str) -> None:
+    """A benchmark script's result as ``name``.json and its table as ``name``.md, under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown)
+
+
+
+def cpu_script_stamp(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The stamp of a CPU benchmark script run as ``python scripts/<script> <argv>``, on one torch
+    thread (it sets that): the interleaved side-by-side measurements the issues ask for."""
+    argv = sys.argv[1:] if argv is None else argv
+    torch.set_num_threads(1)
+    info = stamp(torch.device("cpu"), argv, 1)
+    info["command"] = f"python scripts/{script} " + " ".join(argv)
+    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    return info
+
+
+def cpu_header(info: dict[str, Any], title: str, *lines: str) -> list[str]:
+    """The head of a CPU benchmark script's markdown: the machine, the versions, the date and the
+    load at start and end, the command, then ``lines`` (its model, its method)."""
+    return [
+        f"# {title}",
+        "",
+        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
+        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
+        f"- date: {info['date']}; load average at start {' / '.join(map(str, info['load_average_start']))}, "
+        f"at end {' / '.join(map(str, info['load_average_end']))}",
+        f"- command: `{info['command']}`",
+        *lines,
+        "",
+    ]
