@@ -49,7 +49,7 @@ def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]
         info["cuda_capability"] = f"{props.major}.{props.minor}"
         info["device_memory_bytes"] = props.total_memory
     if hasattr(os, "getloadavg"):
-        info["load_average_start"] = [round(v, 2) for v in os.getloadavg()]
+        info["load_average_start"] = load_averages()
     return info
 
 
@@ -67,7 +67,6 @@ def write_report(out: Path, name: str, result: dict[str, Any], markdown: str) ->
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / f"{name}.md").write_text(markdown)
-
 
 
 def cpu_script_stamp(script: str, argv: list[str] | None) -> dict[str, Any]:
