@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 # Issue 24's CPU targets: (model, mode) -> the largest step time against FP32 it allows.
 FORMAT_TARGETS = {
@@ -427,3 +428,58 @@ def test_the_kept_paths_runs_in_prose_are_their_data() -> None:
     ]
     for phrase in phrases:
         assert phrase in text, phrase
+
+
+AVX512_RUNS = ("cpu-2026-11-28-avx512-formats-2ea7724", "cpu-2026-11-28-avx512-resnet-2ea7724")
+
+
+def avx512_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on the AVX512-BF16 runs at 2ea7724: its table (this run, its
+    ResNet repeat, the seventh run and its repeat on the same kind of CPU) and its sentences."""
+    root = Path(__file__).resolve().parents[1]
+
+    def load(name: str) -> dict[tuple[str, str], dict[str, Any]]:
+        rows = json.loads((root / f"docs/benchmarks/{name}.json").read_text())["rows"]
+        return {(r["model"], r["mode"]): r for r in rows}
+
+    run, repeat = (load(n) for n in AVX512_RUNS)
+    seventh, seventh_repeat = (load(f"cpu-2026-11-27-fused-formats-7{s}") for s in ("", "-resnet-repeat"))
+
+    def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+    out = []
+    for key, limit in FORMAT_TARGETS.items():
+        now = [rows[key]["vs_fp32_cpu"] for rows in (run, repeat) if key in rows]
+        met = "yes" if all(v <= limit for v in now) else "no"
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(run, key)} | {cell(repeat, key)} | "
+                   f"{cell(seventh, key)} | {cell(seventh_repeat, key)} | {met} |")
+    vs = [v for r in run.values() for v in r.get("vs_torchao_cpu", {}).values()]
+    resnet = [k for k in FORMAT_TARGETS if k[0] == "resnet50/8"]
+    under = [k for k in resnet if max(run[k]["vs_fp32_cpu"], repeat[k]["vs_fp32_cpu"]) <= FORMAT_TARGETS[k]]
+    margin = min(FORMAT_TARGETS[k] - max(run[k]["vs_fp32_cpu"], repeat[k]["vs_fp32_cpu"]) for k in under
+                 if k[1] != "fp8 hybrid rowwise")  # fmt: skip
+    row, nv, fp32 = ("resnet50/8", "fp8 hybrid rowwise"), ("resnet50/8", "nvfp4"), ("mlp 4x1024 b128", "fp32")
+    words = {5: "five", 6: "six", 7: "seven"}
+    assert 0.0 <= FORMAT_TARGETS[row] - max(run[row]["vs_fp32_cpu"], repeat[row]["vs_fp32_cpu"]) < 0.01  # "no margin"
+    out += [
+        f"every mptrain mode is faster than torchao's emulated equivalent in the same run ({min(vs):.2f}× to "
+        f"{max(vs):.2f}× of torchao's step time)",
+        f"FP32's MLP cell at batch 128 spread {100 * run[fp32]['spread_cpu']:.0f}% ((max - min) / median of its "
+        f"step times), and the MLP's ratios at batch 128 came out higher than the seventh run's (MXFP8 "
+        f"{cell(run, ('mlp 4x1024 b128', 'mxfp8'))} against {cell(seventh, ('mlp 4x1024 b128', 'mxfp8'))})",
+        f"ResNet-50/8 meets ≤ 2× in {words[len(under)]} of its {words[len(resnet)]} modes in both runs",
+        f"the five others by {margin:.2f} or more",
+        f"Row-wise FP8 measured {run[row]['vs_fp32_cpu']:.3f}× and {repeat[row]['vs_fp32_cpu']:.3f}×",
+        f"NVFP4 measured {cell(run, nv)} and {cell(repeat, nv)}, over 2× in both runs, as in the seventh run and its "
+        f"repeat ({cell(seventh, nv)}, {cell(seventh_repeat, nv)})",
+        f"FP32's ResNet-50/8 step took {run['resnet50/8', 'fp32']['step_ms_cpu']:.1f} ms here and "
+        f"{repeat['resnet50/8', 'fp32']['step_ms_cpu']:.1f} ms in the repeat",
+    ]
+    return out
+
+
+def test_the_avx512_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in avx512_phrases() if p not in text]
+    assert not missing, missing
