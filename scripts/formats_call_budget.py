@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,7 +33,7 @@ from typing import Any
 import bench_formats as bf  # the script beside this one (its directory leads sys.path)
 import torch
 
-from mptrain.bench.common import stamp
+from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
 from mptrain.memory import keep_freed_host_memory
 from mptrain.numerics import compiled_calls, fused, fused_kernels, mx, rounding_rng
 
@@ -100,12 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-call-budget")
     args = ap.parse_args(argv)
-    argv = sys.argv[1:] if argv is None else argv
-    torch.set_num_threads(1)
+    info = cpu_script_stamp("formats_call_budget.py", argv)
     rounding_rng.seed_rounding(0)
-    info = stamp(torch.device("cpu"), argv, 1)
-    info["command"] = "python scripts/formats_call_budget.py " + " ".join(argv)
-    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     info["host_memory"] = keep_freed_host_memory()  # as a run has it (trainer.keep_host_memory)
 
     _, batch, shape, classes = bf.MODELS[args.model]
@@ -136,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     fp32, alone = ms["fp32"], ms[f"{args.mode}, quantizers off"]
     budget_ms = args.target * fp32 - alone
     result = {
-        "info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]},
+        "info": info | {"load_average_end": load_averages()},
         "model": args.model, "mode": args.mode, "target_vs_fp32": args.target,
         "step_ms_cpu": ms,
         "spread_cpu": {n: round((max(t) - min(t)) / statistics.median(t), 3) for n, t in times.items()},
@@ -144,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         "budget_ms": round(budget_ms, 2), "budget_per_call_us": round(1e3 * budget_ms / calls[0], 2),
         "floor": floor_us(),
     }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
@@ -154,14 +145,10 @@ def markdown(r: dict[str, Any]) -> str:
     info, ms, fl = r["info"], r["step_ms_cpu"], r["floor"]
     off = f"{r['mode']}, quantizers off"
     return "\n".join([
-        f"# Quantizer calls against their budget: {r['model']}, {r['mode']}, target {r['target_vs_fp32']}x FP32",
-        "",
-        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
-        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
-        f"- date: {info['date']}; load average at end {' / '.join(map(str, info['load_average_end']))}",
-        f"- command: `{info['command']}`",
-        "- method: see the script's docstring; median step time on the process CPU clock over interleaved rounds",
-        "",
+        *cpu_header(info, f"Quantizer calls against their budget: {r['model']}, {r['mode']}, target "
+                    f"{r['target_vs_fp32']}x FP32",
+                    "- method: see the script's docstring; median step time on the process CPU clock over interleaved "
+                    "rounds"),
         "| step | ms (CPU) | vs fp32 | spread |",
         "|---|---|---|---|",
         *[f"| {n} | {v:.1f} | {v / ms['fp32']:.2f}x | {r['spread_cpu'][n]:.0%} |" for n, v in ms.items()],

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mptrain.bench.common import stamp
+from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
 from mptrain.memory import keep_freed_host_memory
 
 HERE = Path(__file__).resolve().parent
@@ -72,10 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         mode, keep = args.child
         print(json.dumps(child(args.model, mode, keep == "1", args.steps, args.warmup)))
         return
-    argv = sys.argv[1:] if argv is None else argv
-    info = stamp(torch.device("cpu"), argv, 1)
-    info["command"] = "python scripts/host_memory_bench.py " + " ".join(argv)
-    info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    info = cpu_script_stamp("host_memory_bench.py", argv)  # each mode's steps run in a child of their own
     modes = args.modes.split(",")
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {m: {"defaults": [], "kept": []} for m in modes}
     for r in range(args.rounds):
@@ -102,26 +99,18 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             row["vs_fp32_defaults"] = round(row["step_ms_defaults"] / fp32["step_ms_defaults"], 3)
             row["vs_fp32_kept"] = round(row["step_ms_kept"] / fp32["step_ms_kept"], 3)
-    result = {"info": info | {"load_average_end": [round(v, 2) for v in os.getloadavg()]}, "model": args.model,
+    result = {"info": info | {"load_average_end": load_averages()}, "model": args.model,
               "rounds": args.rounds, "steps": args.steps, "rows": rows, "runs": runs}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(markdown(result))
+    write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
 def markdown(r: dict[str, Any]) -> str:
     info = r["info"]
     lines = [
-        f"# Host memory kept between steps: {r['model']}, glibc defaults against kept",
-        "",
-        f"- device: {info['device_name']}, torch CPU capability `{info['cpu_capability']}`, one torch thread",
-        f"- versions: torch {info['versions']['torch']}, Python {info['versions']['python']}",
-        f"- date: {info['date']}; load average at end {' / '.join(map(str, info['load_average_end']))}",
-        f"- command: `{info['command']}`",
-        f"- method: see the script's docstring; {r['rounds']} rounds of alternating processes, {r['steps']} "
-        "timed steps each, medians",
-        "",
+        *cpu_header(info, f"Host memory kept between steps: {r['model']}, glibc defaults against kept",
+                    f"- method: see the script's docstring; {r['rounds']} rounds of alternating processes, "
+                    f"{r['steps']} timed steps each, medians"),
         "| mode | step ms, defaults | step ms, kept | kept / defaults | faults per step, defaults | "
         "faults per step, kept | vs fp32, defaults | vs fp32, kept |",
         "|---|---|---|---|---|---|---|---|",
