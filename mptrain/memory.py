@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +19,8 @@ _M_MMAP_THRESHOLD = -3
 
 def keep_freed_host_memory() -> str:
     """Ask glibc's malloc to keep freed memory for the next step rather than hand it back to the OS:
-    "kept", or "glibc defaults (why)" where it cannot (another C library, another OS).
+    "kept", or "glibc defaults (why)" where it cannot (another C library, another OS), or "LIBRARY
+    (preloaded)" where another allocator serves the process (LD_PRELOAD) and glibc's is left alone.
 
     Why: a training step frees and allocates the same tensors again every step. By default glibc
     returns an allocation over its mmap threshold to the OS when it is freed, and trims the heap's
@@ -35,11 +38,24 @@ def keep_freed_host_memory() -> str:
         mallopt = libc.mallopt
     except (OSError, AttributeError) as exc:
         return f"glibc defaults (no mallopt: {exc})"
+    preloaded = _preloaded_allocator(libc)
+    if preloaded:  # it keeps freed memory itself; glibc's settings would govern nothing
+        return f"{preloaded} (preloaded)"
     # Up to 1 GiB from the heap (older glibc caps the threshold at 32 MiB), and never trim it.
     mapped = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 or mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
     if not (mapped and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1):
         return "glibc defaults (mallopt refused the settings)"
     return "kept"
+
+
+def _preloaded_allocator(libc: ctypes.CDLL) -> str | None:
+    """The allocator put in front of glibc's (``LD_PRELOAD=libtcmalloc_minimal.so.4``, jemalloc), or
+    None: the process's ``malloc`` is then another library's than libc's own."""
+    ours = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
+    if ours == ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+        return None
+    names = [Path(p).name for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()]
+    return next((n for n in names if "malloc" in n), names[0] if names else "another malloc")
 
 
 class PeakMemory:

@@ -4,6 +4,8 @@ to the OS and faulted in again (the engine turns it on; trainer.keep_host_memory
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -68,3 +70,24 @@ def host_memory_sentence(path: str = "docs/benchmarks/cpu-2026-11-26-host-memory
 def test_the_host_memory_figures_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     assert host_memory_sentence() in text
+
+
+# A malloc of its own in front of glibc's, as LD_PRELOAD puts tcmalloc or jemalloc there: it hands
+# every call to glibc, so the process runs as before, but its malloc is no longer libc's.
+WRAPPER = "#include <stddef.h>\nvoid *__libc_malloc(size_t);\nvoid *malloc(size_t n) { return __libc_malloc(n); }\n"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not shutil.which("gcc"),
+                    reason="a preloaded malloc, built by gcc")
+def test_a_preloaded_allocator_is_named_and_glibcs_settings_left_alone(tmp_path: Path) -> None:
+    """Under LD_PRELOAD's allocator (PyTorch's CPU tuning advice: tcmalloc, jemalloc) glibc's settings
+    govern nothing, so the run says which allocator serves it rather than "kept"."""
+    (tmp_path / "wrap.c").write_text(WRAPPER)
+    lib = tmp_path / "libwrapmalloc.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(tmp_path / "wrap.c")], check=True)
+    code = "from mptrain.memory import keep_freed_host_memory; print(keep_freed_host_memory())"
+    status = [subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                             env={**os.environ, "LD_PRELOAD": preload}).stdout.strip() for preload in ("", str(lib))]
+    if status[0] != "kept":
+        pytest.skip(f"not glibc here: {status[0]}")
+    assert status[1] == "libwrapmalloc.so (preloaded)"
