@@ -484,3 +484,60 @@ def test_the_avx512_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in avx512_phrases() if p not in text]
     assert not missing, missing
+
+
+ALLOCATOR_RUNS = {"tcmalloc": "cpu-2026-11-28-avx512-resnet-tcmalloc-a0b8ebc",
+                  "glibc": "cpu-2026-11-28-avx512-resnet-glibc-a0b8ebc"}  # fmt: skip
+
+
+def allocator_phrases() -> list[str]:
+    """docs/benchmarks/README.md's and README.md's figures on preloading tcmalloc: ResNet-50/8 in two
+    back-to-back processes (tcmalloc, then glibc's malloc with freed memory kept), and the MLP under
+    tcmalloc against the earlier glibc run of the same day."""
+    root = Path(__file__).resolve().parents[1]
+
+    def load(name: str) -> dict[str, Any]:
+        return json.loads((root / f"docs/benchmarks/{name}.json").read_text())
+
+    runs = {k: load(n) for k, n in ALLOCATOR_RUNS.items()}
+    assert runs["tcmalloc"]["info"]["host_memory"] == "libtcmalloc_minimal.so.4 (preloaded)"
+    assert runs["glibc"]["info"]["host_memory"] == "kept"
+    rows = {k: {r["mode"]: r for r in d["rows"]} for k, d in runs.items()}
+    out = []
+    for mode in rows["glibc"]:
+        t, g = rows["tcmalloc"][mode], rows["glibc"][mode]
+        out.append(f"| {mode} | {g['step_ms_cpu']:.1f} | {t['step_ms_cpu']:.1f} | "
+                   f"{t['step_ms_cpu'] / g['step_ms_cpu']:.2f} | {g['vs_fp32_cpu']:.2f}× | {t['vs_fp32_cpu']:.2f}× | "
+                   f"{100 * g['spread_cpu']:.0f}% / {100 * t['spread_cpu']:.0f}% |")
+    faster = {m: rows["tcmalloc"][m]["step_ms_cpu"] / rows["glibc"][m]["step_ms_cpu"] for m in rows["glibc"]}
+    fp32, emulated = faster.pop("fp32"), list(faster.values())
+    rise = [m for m in rows["glibc"] if rows["tcmalloc"][m]["vs_fp32_cpu"] > rows["glibc"][m]["vs_fp32_cpu"]]
+    assert {"fp8 hybrid rowwise", "nvfp4"} <= set(rise)  # "row-wise FP8 and NVFP4 among them"
+    assert sum(rows["tcmalloc"][m]["vs_fp32_cpu"] > FORMAT_TARGETS["resnet50/8", m] for m in faster) >= sum(
+        rows["glibc"][m]["vs_fp32_cpu"] > FORMAT_TARGETS["resnet50/8", m] for m in faster)  # "further away"
+    mlp = {(r["model"], r["mode"]): r for r in load("cpu-2026-11-28-avx512-formats-tcmalloc-a0b8ebc")["rows"]}
+    mlp_glibc = {(r["model"], r["mode"]): r for r in load("cpu-2026-11-28-avx512-formats-2ea7724")["rows"]}
+    b128, b1024 = ("mlp 4x1024 b128", "fp32"), ("mlp 4x1024 b1024", "fp32")
+    words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
+    out += [
+        f"FP32's ResNet-50/8 step took {fp32:.2f}× as long under tcmalloc as under glibc's malloc",
+        f"the emulated modes' {min(emulated):.2f}× to {max(emulated):.2f}×",
+        f"{words[len(rise)]} of the seven emulated modes' ratios to FP32 rose",
+        f"This CPU was noisy during the glibc run (FP32's steps spread "
+        f"{100 * rows['glibc']['fp32']['spread_cpu']:.0f}%)",
+        f"FP32's MLP step took {mlp[b128]['step_ms_cpu']:.1f} ms at batch 128 and {mlp[b1024]['step_ms_cpu']:.1f} ms "
+        f"at batch 1024 under tcmalloc, against {mlp_glibc[b128]['step_ms_cpu']:.1f} and "
+        f"{mlp_glibc[b1024]['step_ms_cpu']:.1f} ms",
+    ]
+    return out
+
+
+def test_the_allocator_runs_in_prose_are_their_data() -> None:
+    root = Path(__file__).resolve().parents[1]
+    docs = " ".join((root / "docs/benchmarks/README.md").read_text().split())
+    phrases = allocator_phrases()
+    missing = [p for p in phrases if p not in docs]
+    assert not missing, missing
+    readme = " ".join((root / "README.md").read_text().split())
+    tip = [p for p in phrases if "as long under tcmalloc" in p or p.startswith("the emulated modes'")]
+    assert len(tip) == 2 and all(p in readme for p in tip), tip  # README's tip quotes both figures
