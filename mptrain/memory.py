@@ -51,8 +51,8 @@ def keep_freed_host_memory() -> str:
 def _preloaded_allocator(libc: ctypes.CDLL) -> str | None:
     """The allocator put in front of glibc's (``LD_PRELOAD=libtcmalloc_minimal.so.4``, jemalloc), or
     None: the process's ``malloc`` is then another library's than libc's own."""
-    ours = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value
-    if ours == ctypes.cast(libc.malloc, ctypes.c_void_p).value:
+    process_malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value  # the first in lookup order
+    if process_malloc == ctypes.cast(libc.malloc, ctypes.c_void_p).value:
         return None
     names = [Path(p).name for p in os.environ.get("LD_PRELOAD", "").replace(":", " ").split()]
     return next((n for n in names if "malloc" in n), names[0] if names else "another malloc")
