@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
-from mptrain.memory import PeakMemory, keep_freed_host_memory
+from mptrain.memory import PeakMemory, host_memory
 from mptrain.numerics import fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
@@ -144,8 +144,7 @@ class Engine:
             torch.backends.cudnn.benchmark = t.cudnn_benchmark and not t.deterministic
 
         # Before the loaders' workers fork: they inherit the setting. Process-wide, never undone.
-        self.host_memory = (keep_freed_host_memory() if t.keep_host_memory
-                            else "glibc defaults (trainer.keep_host_memory=false)")
+        self.host_memory = host_memory(t.keep_host_memory)
         log.info("host memory: %s", self.host_memory)
         self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
         self.peak = PeakMemory(self.device)

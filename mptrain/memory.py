@@ -38,7 +38,7 @@ def keep_freed_host_memory() -> str:
         mallopt = libc.mallopt
     except (OSError, AttributeError) as exc:
         return f"glibc defaults (no mallopt: {exc})"
-    preloaded = _preloaded_allocator(libc)
+    preloaded = preloaded_allocator()
     if preloaded:  # it keeps freed memory itself; glibc's settings would govern nothing
         return f"{preloaded} (preloaded)"
     # Up to 1 GiB from the heap (older glibc caps the threshold at 32 MiB), and never trim it.
@@ -48,9 +48,25 @@ def keep_freed_host_memory() -> str:
     return "kept"
 
 
-def _preloaded_allocator(libc: ctypes.CDLL) -> str | None:
+def host_memory(keep: bool) -> str:
+    """What serves the run's host allocations, for summary.json's ``host_memory``: with ``keep``,
+    ``keep_freed_host_memory()``'s answer; without, glibc's defaults, or the preloaded allocator,
+    which serves in glibc's place either way."""
+    if keep:
+        return keep_freed_host_memory()
+    preloaded = preloaded_allocator()
+    return f"{preloaded} (preloaded)" if preloaded else "glibc defaults (trainer.keep_host_memory=false)"
+
+
+def preloaded_allocator() -> str | None:
     """The allocator put in front of glibc's (``LD_PRELOAD=libtcmalloc_minimal.so.4``, jemalloc), or
     None: the process's ``malloc`` is then another library's than libc's own."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
     process_malloc = ctypes.cast(ctypes.CDLL(None).malloc, ctypes.c_void_p).value  # the first in lookup order
     if process_malloc == ctypes.cast(libc.malloc, ctypes.c_void_p).value:
         return None

@@ -38,7 +38,7 @@ from torch import nn
 from mptrain.bench.common import stamp
 from mptrain.config import ClassifierModelConfig, FP8PrecisionConfig, MXPrecisionConfig, PrecisionConfig
 from mptrain.hardware import device_capability
-from mptrain.memory import keep_freed_host_memory
+from mptrain.memory import keep_freed_host_memory, preloaded_allocator
 from mptrain.models import create_model
 from mptrain.numerics import compiled_calls, fused, rounding_rng
 from mptrain.numerics.precision import build_precision
@@ -216,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     cap = device_capability(torch.device("cpu"))
     info["native_bf16"], info["capability_detail"] = cap.native_bf16, cap.detail
     info["quantizers"] = fused.status("cpu")
-    info["host_memory"] = keep_freed_host_memory() if args.host_memory == "keep" else "glibc defaults"
+    preloaded = preloaded_allocator()  # serves in glibc's place whatever --host-memory says
+    info["host_memory"] = (keep_freed_host_memory() if args.host_memory == "keep"
+                           else f"{preloaded} (preloaded)" if preloaded else "glibc defaults")
 
     rows, skipped = [], []
     for model_name in args.models.split(","):

@@ -85,9 +85,12 @@ def test_a_preloaded_allocator_is_named_and_glibcs_settings_left_alone(tmp_path:
     (tmp_path / "wrap.c").write_text(WRAPPER)
     lib = tmp_path / "libwrapmalloc.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(lib), str(tmp_path / "wrap.c")], check=True)
-    code = "from mptrain.memory import keep_freed_host_memory; print(keep_freed_host_memory())"
+    # what a run reports, with trainer.keep_host_memory off and on
+    code = "from mptrain.memory import host_memory; print(host_memory(False)); print(host_memory(True))"
     status = [subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                             env={**os.environ, "LD_PRELOAD": preload}).stdout.strip() for preload in ("", str(lib))]
-    if status[0] != "kept":
-        pytest.skip(f"not glibc here: {status[0]}")
-    assert status[1] == "libwrapmalloc.so (preloaded)"
+                             env={**os.environ, "LD_PRELOAD": preload}).stdout.split("\n")[:2]
+              for preload in ("", str(lib))]  # fmt: skip
+    if status[0][1] != "kept":
+        pytest.skip(f"not glibc here: {status[0][1]}")
+    assert status[0][0] == "glibc defaults (trainer.keep_host_memory=false)"
+    assert status[1] == ["libwrapmalloc.so (preloaded)"] * 2
