@@ -33,14 +33,14 @@ def keep_freed_host_memory() -> str:
     """
     if not sys.platform.startswith("linux"):
         return f"glibc defaults (not on {sys.platform})"
+    preloaded = preloaded_allocator()
+    if preloaded:  # it keeps freed memory itself; glibc's settings would govern nothing
+        return f"{preloaded} (preloaded)"
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError) as exc:
         return f"glibc defaults (no mallopt: {exc})"
-    preloaded = preloaded_allocator()
-    if preloaded:  # it keeps freed memory itself; glibc's settings would govern nothing
-        return f"{preloaded} (preloaded)"
     # Up to 1 GiB from the heap (older glibc caps the threshold at 32 MiB), and never trim it.
     mapped = mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 or mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
     if not (mapped and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1):
@@ -52,10 +52,9 @@ def host_memory(keep: bool) -> str:
     """What serves the run's host allocations, for summary.json's ``host_memory``: with ``keep``,
     ``keep_freed_host_memory()``'s answer; without, glibc's defaults, or the preloaded allocator,
     which serves in glibc's place either way."""
-    if keep:
+    if keep or preloaded_allocator():  # a preloaded allocator: named, glibc's settings left alone
         return keep_freed_host_memory()
-    preloaded = preloaded_allocator()
-    return f"{preloaded} (preloaded)" if preloaded else "glibc defaults (trainer.keep_host_memory=false)"
+    return "glibc defaults (trainer.keep_host_memory=false)"
 
 
 def preloaded_allocator() -> str | None:

@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> None:
     cap = device_capability(torch.device("cpu"))
     info["native_bf16"], info["capability_detail"] = cap.native_bf16, cap.detail
     info["quantizers"] = fused.status("cpu")
-    preloaded = preloaded_allocator()  # serves in glibc's place whatever --host-memory says
-    info["host_memory"] = (keep_freed_host_memory() if args.host_memory == "keep"
-                           else f"{preloaded} (preloaded)" if preloaded else "glibc defaults")
+    # a preloaded allocator serves in glibc's place whatever --host-memory says: named then
+    keep = args.host_memory == "keep" or preloaded_allocator()
+    info["host_memory"] = keep_freed_host_memory() if keep else "glibc defaults"
 
     rows, skipped = [], []
     for model_name in args.models.split(","):

@@ -430,20 +430,24 @@ def test_the_kept_paths_runs_in_prose_are_their_data() -> None:
         assert phrase in text, phrase
 
 
+def benchmark(name: str) -> dict[str, Any]:
+    """docs/benchmarks/NAME.json."""
+    return json.loads((Path(__file__).resolve().parents[1] / f"docs/benchmarks/{name}.json").read_text())
+
+
+def keyed_rows(name: str) -> dict[tuple[str, str], dict[str, Any]]:
+    """A formats benchmark's rows by (model, mode)."""
+    return {(r["model"], r["mode"]): r for r in benchmark(name)["rows"]}
+
+
 AVX512_RUNS = ("cpu-2026-11-28-avx512-formats-2ea7724", "cpu-2026-11-28-avx512-resnet-2ea7724")
 
 
 def avx512_phrases() -> list[str]:
     """docs/benchmarks/README.md's section on the AVX512-BF16 runs at 2ea7724: its table (this run, its
     ResNet repeat, the seventh run and its repeat on the same kind of CPU) and its sentences."""
-    root = Path(__file__).resolve().parents[1]
-
-    def load(name: str) -> dict[tuple[str, str], dict[str, Any]]:
-        rows = json.loads((root / f"docs/benchmarks/{name}.json").read_text())["rows"]
-        return {(r["model"], r["mode"]): r for r in rows}
-
-    run, repeat = (load(n) for n in AVX512_RUNS)
-    seventh, seventh_repeat = (load(f"cpu-2026-11-27-fused-formats-7{s}") for s in ("", "-resnet-repeat"))
+    run, repeat = (keyed_rows(n) for n in AVX512_RUNS)
+    seventh, seventh_repeat = (keyed_rows(f"cpu-2026-11-27-fused-formats-7{s}") for s in ("", "-resnet-repeat"))
 
     def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
         return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
@@ -494,12 +498,7 @@ def allocator_phrases() -> list[str]:
     """docs/benchmarks/README.md's and README.md's figures on preloading tcmalloc: ResNet-50/8 in two
     back-to-back processes (tcmalloc, then glibc's malloc with freed memory kept), and the MLP under
     tcmalloc against the earlier glibc run of the same day."""
-    root = Path(__file__).resolve().parents[1]
-
-    def load(name: str) -> dict[str, Any]:
-        return json.loads((root / f"docs/benchmarks/{name}.json").read_text())
-
-    runs = {k: load(n) for k, n in ALLOCATOR_RUNS.items()}
+    runs = {k: benchmark(n) for k, n in ALLOCATOR_RUNS.items()}
     assert runs["tcmalloc"]["info"]["host_memory"] == "libtcmalloc_minimal.so.4 (preloaded)"
     assert runs["glibc"]["info"]["host_memory"] == "kept"
     rows = {k: {r["mode"]: r for r in d["rows"]} for k, d in runs.items()}
@@ -515,8 +514,7 @@ def allocator_phrases() -> list[str]:
     assert {"fp8 hybrid rowwise", "nvfp4"} <= set(rise)  # "row-wise FP8 and NVFP4 among them"
     assert sum(rows["tcmalloc"][m]["vs_fp32_cpu"] > FORMAT_TARGETS["resnet50/8", m] for m in faster) >= sum(
         rows["glibc"][m]["vs_fp32_cpu"] > FORMAT_TARGETS["resnet50/8", m] for m in faster)  # "further away"
-    mlp = {(r["model"], r["mode"]): r for r in load("cpu-2026-11-28-avx512-formats-tcmalloc-a0b8ebc")["rows"]}
-    mlp_glibc = {(r["model"], r["mode"]): r for r in load("cpu-2026-11-28-avx512-formats-2ea7724")["rows"]}
+    mlp, mlp_glibc = keyed_rows("cpu-2026-11-28-avx512-formats-tcmalloc-a0b8ebc"), keyed_rows(AVX512_RUNS[0])
     b128, b1024 = ("mlp 4x1024 b128", "fp32"), ("mlp 4x1024 b1024", "fp32")
     words = dict(enumerate(("none", "one", "two", "three", "four", "five", "six", "all")))
     out += [
