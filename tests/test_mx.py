@@ -570,8 +570,9 @@ def test_an_outer_autocast_does_not_change_what_emulated_gemms_compute_in(layer:
 
 @pytest.mark.parametrize(("k", "stride", "padding", "size", "channels_last"), [
     (1, 1, 0, 7, False), (1, 2, 0, 7, False), (1, 1, 0, 3, True),  # unpadded 1x1: strided at every size
-    (3, 1, 1, 9, False), (3, 1, 1, 9, True), (7, 2, 3, 20, False),  # rows of >= 8 pixels: strided
-    (3, 2, 1, 7, False),  # narrower rows: aten's unfold
+    (3, 1, 1, 9, False), (3, 1, 1, 9, True),  # rows of >= 8 pixels: strided
+    (7, 2, 3, 20, False), (3, 2, 1, 17, True), (5, 3, 2, 25, False),  # ... and a stride: by phases
+    (3, 2, 1, 7, False), (3, 1, 1, 4, True),  # narrower rows: a cached gather
 ])
 def test_conv_wgrad_columns_are_the_unfold_gemm(k: int, stride: int, padding: int, size: int,
                                                 channels_last: bool) -> None:
@@ -614,12 +615,46 @@ def test_converted_layers_under_a_users_torch_compile() -> None:
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize(("shape", "k", "stride", "padding", "dilation", "channels_last", "way"), [
+    ((2, 5, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), False, "windows"),
+    ((2, 5, 8, 8), (1, 1), (2, 2), (0, 0), (1, 1), False, "windows"),  # an unpadded 1x1 with a stride
+    ((2, 5, 20, 20), (3, 3), (2, 2), (1, 1), (2, 2), False, "windows"),  # dilated: no phases
+    ((2, 3, 32, 32), (7, 7), (2, 2), (3, 3), (1, 1), False, "phases"),  # ResNet's stem
+    ((2, 5, 26, 19), (5, 3), (3, 2), (2, 1), (1, 1), True, "phases"),  # uneven strides, far side padded
+    ((2, 5, 31, 17), (2, 2), (3, 2), (0, 0), (1, 1), False, "phases"),  # a stride past the filter
+    ((2, 5, 4, 4), (3, 3), (1, 1), (1, 1), (1, 1), False, "gather"),
+    ((2, 5, 7, 6), (3, 2), (2, 1), (1, 0), (2, 1), True, "gather"),
+    ((40, 64, 7, 7), (3, 3), (1, 1), (1, 1), (1, 1), False, "unfold"),  # past the gather's index size
+])
+def test_each_way_of_taking_the_columns_is_unfold(shape: tuple[int, ...], k: tuple[int, int], stride: tuple[int, int],
+                                                  padding: tuple[int, int], dilation: tuple[int, int],
+                                                  channels_last: bool, way: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """im2col.wgrad_columns takes the layer's columns the way its docstring gives for the shape, and
+    every way is F.unfold's values in the wgrad GEMM's layout, bit for bit."""
+    from mptrain.numerics import im2col
+
+    ways: list[str] = []
+    for name, tag in (("_windows", "windows"), ("_phased", "phases"), ("_gather_index", "gather")):
+        real = getattr(im2col, name)
+        monkeypatch.setattr(im2col, name, lambda *a, _r=real, _t=tag: ways.append(_t) or _r(*a))
+    unfold = F.unfold
+    monkeypatch.setattr(im2col.F, "unfold", lambda *a, **kw: ways.append("unfold") or unfold(*a, **kw))
+    x = torch.randn(shape)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    got = im2col.wgrad_columns(x, k, stride, padding, dilation)
+    cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
+    assert torch.equal(got, cols.permute(1, 0, 2).reshape(cols.shape[1], -1))
+    assert ways[0] == way  # (then the reference's unfold, and the gather's index built from windows)
+
+
 def test_wgrad_columns_trace_under_dynamo() -> None:
     """qgemm's wgrad columns traced with symbolic shapes (QuantConv2dFn under a compile) take the
     unfold path: the strided one failed to trace, an error rather than a graph break."""
-    from mptrain.numerics.qgemm import _wgrad_columns
+    from mptrain.numerics.im2col import wgrad_columns
 
     x = torch.randn(3, 8, 9, 9)
     args = ((3, 3), (1, 1), (1, 1), (1, 1))
-    traced = torch.compile(_wgrad_columns, backend="eager", fullgraph=True, dynamic=True)
-    assert torch.equal(traced(x, *args), _wgrad_columns(x, *args))
+    traced = torch.compile(wgrad_columns, backend="eager", fullgraph=True, dynamic=True)
+    assert torch.equal(traced(x, *args), wgrad_columns(x, *args))

@@ -53,6 +53,7 @@ from torch import Tensor
 from mptrain.numerics import compiled_calls, fused
 from mptrain.numerics.formats import ElementFormat
 from mptrain.numerics.formats import axiswise_round as axiswise_round  # the rowwise reference, re-exported
+from mptrain.numerics.im2col import wgrad_columns
 from mptrain.numerics.mx import HADAMARD_SIZE, BlockFormat, hadamard_rotation, random_signs, rotate
 from mptrain.numerics.rounding_rng import RoundingStream
 
@@ -307,7 +308,7 @@ def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Ten
         c_out, _, kh, kw = w.shape
         # wgrad contracts over (batch, output pixel): dy against the im2col columns of x.
         a = g.permute(1, 0, 2, 3).reshape(c_out, -1)
-        b = _wgrad_columns(x.float(), (kh, kw), stride, padding, dilation)
+        b = wgrad_columns(x.float(), (kh, kw), stride, padding, dilation)
         gl, gs, xl, xs = _wgrad_operands(recipe, a, b, rot)
         dw = _scale_((gl.to(cd) @ xl.to(cd).t()).float(), gs, xs).reshape(w.shape).to(w_dtype)
     return dx, dw
@@ -381,29 +382,6 @@ class QuantConv2dFn(torch.autograd.Function):
             dx, dw = _conv_bwd(dy, x, w, ctx.w_scale, recipe.rotation_for(dy), recipe, needs, ctx.w_dtype, *ctx.conv)
         db = dy.float().sum((0, 2, 3)) if ctx.needs_input_grad[2] else None  # as QuantLinearFn's, eager
         return dx, dw, db, None, None, None, None
-
-
-def _wgrad_columns(x: Tensor, k: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
-                   dilation: tuple[int, int]) -> Tensor:
-    """x's im2col columns in the wgrad GEMM's layout, (C_in*kh*kw, N*L): ``F.unfold(x)`` with its
-    batch dim moved in. Where output rows have 8 pixels or more, or the conv is an unpadded 1x1 (36
-    of ResNet-50's 53), as one strided copy of (padded) x instead: aten's im2col loops over the
-    batch and then the permute copies again (1.4 ms against 0.2 ms for a (32, 16, 8, 8) input and a
-    3x3 filter on a CPU). On narrower rows the strided copy was the slower one."""
-    n, c, h, w = x.shape
-    kh, kw = k
-    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    # Traced by dynamo (a user's torch.compile around converted layers), unfold: its strides are
-    # symbolic there, and as_strided on them failed to trace (an error, not a graph break).
-    if torch.compiler.is_compiling() or (wo < 8 and not (k == (1, 1) and padding == (0, 0))):
-        cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
-        return cols.permute(1, 0, 2).reshape(c * kh * kw, -1)
-    xp = F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
-    sn, sc, sh, sw = xp.stride()
-    windows = xp.as_strided((c, kh, kw, n, ho, wo), (sc, sh * dilation[0], sw * dilation[1], sn, sh * stride[0],
-                                                      sw * stride[1]), xp.storage_offset())  # fmt: skip
-    return windows.reshape(c * kh * kw, n * ho * wo)
 
 
 def _as(q: Tensor, like: Tensor) -> Tensor:
