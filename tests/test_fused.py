@@ -207,6 +207,30 @@ def test_blocks_stochastic_in_every_layout(fmt: BlockFormat) -> None:
 
 
 @pytest.mark.kernels("blocks")
+def test_a_narrow_block_call_repeats_through_its_kept_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block call on a 2x2 map (64 channels: unpadded) repeats through its kept path (fused._moved)
+    once the call on its moved copy is kept: the reference's values and draws, in x's layout, to
+    nearest and stochastic, the draw counter advanced once a call as on the full path."""
+    moved: list[torch.Size] = []
+    real = fused._moved
+    monkeypatch.setattr(fused, "_moved", lambda *a: moved.append(a[2].shape) or real(*a))
+    for table in ("_directs", "_fast"):
+        monkeypatch.setattr(compiled_calls, table, {})
+    fmt = BLOCK_FORMATS["nvfp4"]
+    x = adversarial(32, 64 * 4, seed=11).view(32, 64, 2, 2)
+    a, b = stream_pair()
+    for k in range(4):
+        v = x * 2.0**k  # new values each call
+        assert_same(*both(lambda v=v: fused.quantize_blocks(v, fmt, 1)))
+        got = fused.quantize_blocks(v, fmt, 1, stochastic=True, generator=a)
+        with fused.reference():
+            want = fused.quantize_blocks(v, fmt, 1, stochastic=True, generator=b)
+        assert_same(got, want)
+        assert got[0].stride() == v.stride() and int(a.counter) == int(b.counter) == k + 1
+    assert moved == [x.shape] * 4  # the last two calls of each rounding
+
+
+@pytest.mark.kernels("blocks")
 def test_exactly_one_block_along_the_dim_compiles_no_second_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exactly one block along the dim (NVFP4's 16 channels at a 4x4 map) runs in the kernel of a dim
     under one block, to nearest and stochastic, as the reference would: viewed as blocks in the
