@@ -539,3 +539,61 @@ def test_the_allocator_runs_in_prose_are_their_data() -> None:
     readme = " ".join((root / "README.md").read_text().split())
     tip = [p for p in phrases if "as long under tcmalloc" in p or p.startswith("the emulated modes'")]
     assert len(tip) == 2 and all(p in readme for p in tip), tip  # README's tip quotes both figures
+
+
+GATHER_RUNS = ("cpu-2026-11-29-avx512-resnet-f08b759", "cpu-2026-11-29-avx512-resnet-4095374-repeat",
+               "cpu-2026-11-29-avx512-resnet-322b07a", "cpu-2026-11-29-avx512-resnet-322b07a-repeat")  # fmt: skip
+
+
+def gather_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on wgrad's gathered columns: the im2col replay's table, and
+    the four ResNet-50/8 runs of 2026-11-29 with what their prose says of them."""
+    cols = benchmark("cpu-2026-11-29-avx512-im2col-4095374")
+    out = [f"| {r['way']} | {r['calls']} | {r['ms_cpu']['before']:.2f} | {r['ms_cpu']['now']:.2f} | "
+           f"{r['now_vs_before']:.2f}× |" for r in cols["rows"]]
+    total = cols["total_ms_cpu"]
+    out.append(f"| all | {sum(r['calls'] for r in cols['rows'])} | {total['before']:.2f} | {total['now']:.2f} | "
+               f"{cols['total_now_vs_before']:.2f}× |")
+    runs = [{r["mode"]: r for r in benchmark(n)["rows"]} for n in GATHER_RUNS]
+    for mode in runs[0]:
+        cells = [f"{r[mode]['step_ms_cpu']:.1f} ms" if mode == "fp32" else f"{r[mode]['vs_fp32_cpu']:.2f}×" + (
+            f" ({r[mode]['vs_fp32_cpu_paired']:.2f}×)" if "vs_fp32_cpu_paired" in r[mode] else "") for r in runs]
+        out.append(f"| {mode} | " + " | ".join(cells) + " |")
+    now = runs[2:]
+    nv, row = ("nvfp4", "fp8 hybrid rowwise")
+    assert all(r[nv]["vs_fp32_cpu"] > FORMAT_TARGETS["resnet50/8", nv] for r in now)  # "still over 2×"
+    assert all(r[row]["vs_fp32_cpu"] <= FORMAT_TARGETS["resnet50/8", row] for r in now)  # "under 2× in both"
+    five = [r[m]["vs_fp32_cpu"] for r in now for m in r if m not in ("fp32", nv, row)]
+    fp32 = [r["fp32"]["step_ms_cpu"] for r in runs]
+    nvs = [r[nv]["vs_fp32_cpu"] for r in runs]
+    saved = (total["before"] - total["now"]) / (sum(r["fp32"]["step_ms_cpu"] for r in now) / 2)
+    assert round(saved, 2) == 0.02 and round(total["before"] - total["now"], 1) == 0.7
+    apart = {k: {m: abs(now[0][m][k] - now[1][m][k]) for m in now[0] if m != "fp32"}
+             for k in ("vs_fp32_cpu", "vs_fp32_cpu_paired")}  # fmt: skip
+    closer = [m for m, d in apart["vs_fp32_cpu_paired"].items() if d < apart["vs_fp32_cpu"][m]]
+    words = dict(enumerate(("no", "one", "two", "three", "four", "five", "six", "all seven")))
+    gap = [{m: r[m]["gap"] for m in (nv, "mxfp8")} for r in now]
+    extra = sum(g[nv]["quantizers_ms"] - g["mxfp8"]["quantizers_ms"] for g in gap) / 2
+    out += [
+        f"**NVFP4 is still over 2× at 322b07a:** {now[0][nv]['vs_fp32_cpu']:.3f}× and "
+        f"{now[1][nv]['vs_fp32_cpu']:.3f}×, paired {now[0][nv]['vs_fp32_cpu_paired']:.3f}× and "
+        f"{now[1][nv]['vs_fp32_cpu_paired']:.3f}×.",
+        f"{now[0][row]['vs_fp32_cpu']:.3f}× and {now[1][row]['vs_fp32_cpu']:.3f}×, paired "
+        f"{now[0][row]['vs_fp32_cpu_paired']:.3f}× and {now[1][row]['vs_fp32_cpu_paired']:.3f}×. The other five modes "
+        f"measured {min(five):.2f}× to {max(five):.2f}×.",
+        f"FP32's step took {min(fp32):.1f} to {max(fp32):.1f} ms in the four runs, and NVFP4's ratio ranged from "
+        f"{min(nvs):.2f}× to {max(nvs):.2f}×",
+        f"In {words[len(closer)]} emulated modes the two runs at 322b07a lie closer together in their paired ratios",
+        f"its quantizers took {gap[0][nv]['quantizers_ms']:.1f} and {gap[1][nv]['quantizers_ms']:.1f} ms of the step, "
+        f"MXFP8's {gap[0]['mxfp8']['quantizers_ms']:.1f} and {gap[1]['mxfp8']['quantizers_ms']:.1f} ms; the rest of "
+        f"the gap, {gap[0][nv]['other_ms']:.1f} and {gap[1][nv]['other_ms']:.1f} ms against "
+        f"{gap[0]['mxfp8']['other_ms']:.1f} and {gap[1]['mxfp8']['other_ms']:.1f} ms",
+        f"NVFP4's extra {extra:.0f} ms or so of quantizers",
+    ]
+    return out
+
+
+def test_the_gather_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in gather_phrases() if p not in text]
+    assert not missing, missing
