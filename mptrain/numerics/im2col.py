@@ -94,4 +94,3 @@ def _gather_index(padded: tuple[int, ...], k: tuple[int, int], stride: tuple[int
     ho, wo = _out_size(padded, k, stride, (0, 0), dilation)
     numbers = torch.arange(math.prod(padded), dtype=torch.int32, device=device).view(padded)
     return _windows(numbers, k, stride, dilation, ho, wo).reshape(-1)
-
