@@ -28,9 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The gather's index holds one int32 per column element, cached per layer shape (64 at most): a
-# bound of 4 MiB a layer. Larger layers (wide ones, big batches) keep unfold; the gather was measured
-# on ResNet-50/8's layers, all under it.
+# The gather's index holds one int32 per column element, cached per layer shape: at most 4 MiB a
+# shape and 16 shapes (an MXFP8 ResNet-50/8 step gathers 6), so at most 64 MiB held for the process.
+# Larger layers (wide ones, big batches) keep unfold; the gather was measured on ResNet-50/8's
+# layers, all under it.
 GATHER_MAX = 2**20
 
 
@@ -87,7 +88,7 @@ def _windows(xp: Tensor, k: tuple[int, int], stride: tuple[int, int], dilation: 
                          xp.storage_offset())  # fmt: skip
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _gather_index(padded: tuple[int, ...], k: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
                   device: torch.device) -> Tensor:
     """The padded input's element numbers in the columns' order, once per layer shape."""
