@@ -648,7 +648,7 @@ def test_each_way_of_taking_the_columns_is_unfold(shape: tuple[int, ...], k: tup
 
 
 def test_wgrad_columns_trace_under_dynamo() -> None:
-    """qgemm's wgrad columns traced with symbolic shapes (QuantConv2dFn under a compile) take the
+    """wgrad's im2col columns traced with symbolic shapes (QuantConv2dFn under a compile) take the
     unfold path: the strided one failed to trace, an error rather than a graph break."""
     from mptrain.numerics.im2col import wgrad_columns
 
