@@ -43,7 +43,7 @@ def wgrad_columns(x: Tensor, k: tuple[int, int], stride: tuple[int, int], paddin
     n, c, _, _ = x.shape
     kh, kw = k
     ho, wo = _out_size(x.shape, k, stride, padding, dilation)
-    way = column_way(x, k, stride, padding, dilation, fast)
+    way = _way(x, k, padding, ho, wo, fast)
     if way == "gather":
         xp = _pad(x, padding)
         index = _gather_index(tuple(xp.shape), k, stride, dilation, x.device)
@@ -58,13 +58,15 @@ def column_way(x: Tensor, k: tuple[int, int], stride: tuple[int, int], padding: 
                dilation: tuple[int, int], fast: bool = True) -> str:
     """How ``wgrad_columns`` takes x's columns: "windows", "gather" or "unfold" (the
     module docstring says when, and why)."""
-    n, c, _, _ = x.shape
-    ho, wo = _out_size(x.shape, k, stride, padding, dilation)
-    pointwise = k == (1, 1) and padding == (0, 0)
+    return _way(x, k, padding, *_out_size(x.shape, k, stride, padding, dilation), fast)
+
+
+def _way(x: Tensor, k: tuple[int, int], padding: tuple[int, int], ho: int, wo: int, fast: bool) -> str:
     if torch.compiler.is_compiling():
         return "unfold"
-    cpu = fast and x.device.type == "cpu"
-    if wo < 8 and not pointwise:
+    if wo < 8 and not (k == (1, 1) and padding == (0, 0)):
+        n, c = x.shape[:2]
+        cpu = fast and x.device.type == "cpu"
         return "gather" if cpu and c * k[0] * k[1] * n * ho * wo <= GATHER_MAX else "unfold"
     return "windows"
 
