@@ -3,7 +3,8 @@
 - ``formats``: element formats (E4M3, E5M2, FP6, FP4, FP16, BF16), their grids and rounding (RNE,
   saturation, stochastic rounding from a generator of its own);
 - ``mx``: OCP MX and NVFP4 block formats (shared scales, 1D and 2D blocks, random Hadamard);
-- ``qgemm``: quantize-dequantize around every GEMM's operands, forward and backward;
+- ``qgemm``: quantize-dequantize around every GEMM's operands, forward and backward (``im2col``:
+  a convolution's wgrad columns);
 - ``fused``: the quantizers as they run, compiled and bit-identical to the eager reference
   (``fused_kernels``: the kernel bodies; ``compiled_calls``: calling compiled code in microseconds);
   ``rounding_rng``: stochastic rounding's counter-based random stream;
