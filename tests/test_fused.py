@@ -317,6 +317,31 @@ def test_blocks_read_each_layout_of_one_shape_in_place(monkeypatch: pytest.Monke
 
 
 @pytest.mark.kernels("blocks")
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("shape", [(512, 96), (8, 64, 6, 6)], ids=["rows", "nchw"])
+def test_a_block_kernel_writes_its_result_once(name: str, shape: tuple[int, ...]) -> None:
+    """Blocks along a strided dim (B > 1): the kernel's result is the buffer it rounds into, merged back
+    to (A, n, B) in place (``fused_kernels._merged``). Merged by view, the dynamic-shape kernel could
+    not prove bs * (n // bs) == n and copied its result into a second buffer: x's bytes allocated
+    twice a call, and one more pass over them (the same copy was a kernel of its own per GEMM operand
+    in a Linear's graph on a GPU)."""
+    x = adversarial(shape[0], math.prod(shape[1:]), seed=14).view(shape)
+    dim = 0 if len(shape) == 2 else 1
+
+    def call() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return fused.quantize_blocks(x, BLOCK_FORMATS[name], dim)
+
+    got, want = both(call)
+    assert_same(got, want)
+    call()  # its direct call from now on
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    # the result, and per block its scales (1/16 of x for NVFP4's blocks of 16, two of them)
+    assert x.numel() * 4 <= allocated < 1.25 * x.numel() * 4
+
+
+@pytest.mark.kernels("blocks")
 @pytest.mark.parametrize("fmt", list(BLOCK_FORMATS.values()), ids=lambda f: f.name)
 def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rounding mode on tiles in several layouts, one kernel graph each: a single row of tiles
@@ -709,7 +734,7 @@ def test_a_given_up_graph_variant_runs_eagerly_in_the_layouts_it_had(monkeypatch
 def test_a_linear_graph_hands_its_gemms_the_eager_layouts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bf16 operands a Linear's graph gives its GEMMs are laid out as the eager path lays them out.
     Inductor once wrote wgrad's bf16 copy of x transposed (a cast is laid out row-major in its
-    logical shape; ``qgemm._cast``), against the order its kernel reads x in, and handed the GEMM
+    logical shape; ``fused.cast``), against the order its kernel reads x in, and handed the GEMM
     another layout than eager does, which a GPU's GEMM may sum in another order. Row-wise FP8 with
     bf16 products, and no Hadamard transform, whose products leave wgrad's operands row-major anyway."""
     from torch._inductor.select_algorithm import extern_kernels
@@ -768,6 +793,26 @@ def test_quantized_gemms_on_cuda_match_the_reference(name: str, device: str) -> 
         assert_same(*both(lambda: conv_step(full_recipe(name), device)))
         assert_same(*both(lambda: conv_step(full_recipe(name), device, channels_last=True)))
         assert_same(*both(lambda: linear_step(rowwise_recipe, device)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_a_linear_forward_graph_is_one_kernel_per_operand_on_cuda(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MXFP8 Linear's forward graph with bf16 products compiles to three Triton kernels: each
+    operand's quantizer writes the GEMM's bf16 operand itself, and the bias is added after the GEMM.
+    Inductor's code for sm90 under torch 2.11, generated without a GPU (scripts/triton_kernels.py),
+    had five before: the cast and the merge of the blocks by view were kernels of their own."""
+    from torch._inductor import metrics
+    from torch._inductor.utils import fresh_inductor_cache
+
+    as_a_fresh_process(monkeypatch)
+    recipe = GemmRecipe(quantizer=BlockQuantizer(BLOCK_FORMATS["mxfp8"]), compute_dtype=torch.bfloat16)
+    x = torch.randn(4, 64, 96, device=device)
+    w, b = torch.randn(128, 96, device=device), torch.randn(128, device=device)
+    assert fused.graph_enabled(x)  # its probe compiled before counting
+    with fresh_inductor_cache():
+        metrics.reset()
+        QuantLinearFn.apply(x, w, b, recipe)
+        assert metrics.generated_kernel_count == 3
 
 
 @pytest.mark.parametrize("device", [CUDA])

@@ -303,8 +303,9 @@ def test_conv_forward_is_the_im2col_gemm_blocked_along_taps_channels() -> None:
 class _Identity:
     """A quantizer that quantizes nothing (to check the Hadamard transform alone)."""
 
-    def __call__(self, x: torch.Tensor, dim: int, role: str) -> tuple[torch.Tensor, None]:
-        return x.float(), None
+    def __call__(self, x: torch.Tensor, dim: int, role: str,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, None]:
+        return x.to(dtype or torch.float32), None
 
 
 def test_hadamard_is_orthogonal_and_seeded() -> None:

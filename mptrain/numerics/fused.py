@@ -391,11 +391,33 @@ def _transposed(fast: _Fast, three: tuple[tuple[int, ...], tuple[int, ...]], x: 
 def quantize_blocks(
     x: Tensor, fmt: mx.BlockFormat, dim: int = -1, *, stochastic: bool = False,
     generator: torch.Generator | RoundingStream | None = None, block_2d: bool = False,
-    rotation: Tensor | None = None,
+    rotation: Tensor | None = None, dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``mx.quantize_blocks(...)``'s (local, tensor_scale), fused. Lengths are padded with zeros.
     ``rotation`` (``mx.hadamard_rotation``): x is rotated along ``dim`` first, in FP32, as
-    ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's."""
+    ``mx.rotate(x.float(), dim, rotation)``; its length there must be a multiple of the rotation's.
+    ``dtype``: ``local`` in that dtype (a GEMM's compute dtype; FP32 if None). Inside a compiled graph
+    the kernel casts it; elsewhere the kernels stay FP32 (one kernel per format) and it is cast after."""
+    local, t_scale = _quantize_blocks(x, fmt, dim, stochastic, generator, block_2d, rotation, dtype)
+    return (local if dtype is None else cast(local, dtype)), t_scale
+
+
+def cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)`` in t's memory layout, inside a compiled graph too. Eager ``to`` keeps the
+    strides of wgrad's operands, which are transposed views (quantized along tokens, stored
+    token-major); inductor lays a cast out row-major in its logical shape, so inside a Linear's
+    graph (``qgemm._gemms``) wgrad's bf16 copy of x was written transposed, against the order its
+    kernel reads x in, and the GEMM saw another layout than in eager. Casting the transpose gives the
+    same values in eager's layout."""
+    if t.dtype == dtype:
+        return t
+    if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1:
+        return t.mT.to(dtype).mT
+    return t.to(dtype)
+
+
+def _quantize_blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any, block_2d: bool,
+                     rotation: Tensor | None, dtype: torch.dtype | None) -> tuple[Tensor, Tensor | None]:
     if _may_keep(stochastic, generator):
         if not block_2d:
             fast = _fast_for(_fast_key("blocks", fmt, dim, stochastic, x, rotation))
@@ -410,7 +432,7 @@ def quantize_blocks(
                          f"2D tiles nor on a length of {x.shape[dim]}")
     if enabled(x) and x.numel() and (not block_2d or x.dim() >= 2):
         if torch.compiler.is_compiling():  # call_graph checked that the kernels know the format
-            return _blocks(x, fmt, dim, stochastic, generator, block_2d, rotation)
+            return _blocks(x, fmt, dim, stochastic, generator, block_2d, rotation, dtype)
         try:
             return _blocks(x, fmt, dim, stochastic, generator, block_2d, rotation)
         except _Unfused:
@@ -444,8 +466,9 @@ def _like(x: Tensor, q: Tensor) -> Tensor:
     return torch.empty_like(x, dtype=torch.float32).copy_(q)
 
 
-def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any,
-            block_2d: bool, rot: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generator: Any, block_2d: bool,
+            rot: Tensor | None = None, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """``_quantize_blocks``' kernel call. ``dtype`` (a graph being compiled only): ``local`` cast in the kernel."""
     bs = fmt.block_size
     kind = "nvfp4" if fmt.two_level else f"mx{bs}"
     if fmt.block_size != (16 if fmt.two_level else 32) or not _fits(fmt.element):
@@ -456,7 +479,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         x2 = _tile_input(x, tiling)
         keys, counter = _stream(x, stochastic, generator)
         options = _opts(kind, stochastic)
-        local, t_scale = _call("tiles", options, x2, pf, pi, kind, keys, counter)[:2]
+        local, t_scale = _call("tiles", options, x2, pf, pi, kind, keys, counter, *_in_graph(dtype))[:2]
         if _may_keep(stochastic, generator) and not torch.compiler.is_compiling():
             _keep_fast(_fast_key("tiles", fmt, -1, stochastic, x), "tiles", options, x2,
                        (pf, pi, kind, *_stream_args(generator, stochastic)), (0, 4, 5), local, 2, fmt,
@@ -478,7 +501,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
             compiled_calls._fast.setdefault(_fast_key("blocks", fmt, dim, stochastic, x, rot),
                                             functools.partial(_moved, fast, dim))  # fmt: skip
         else:
-            local, t_scale = _blocks(y, fmt, -1, stochastic, generator, False, rot)
+            local, t_scale = _blocks(y, fmt, -1, stochastic, generator, False, rot, dtype)
         return _like(x, local.movedim(-1, dim)), t_scale
     x3 = _to3(x.contiguous() if plan.copy else x, plan.layout)
     if plan.pad:
@@ -487,7 +510,7 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
     # The zeros padded on before the rotation stay zeros (up to sign) and are cut off after it.
     options = plan.options if rot is None else plan.options + "r"
     args = (pf, pi, kind, plan.short, keys, counter, rot)
-    local, t_scale = _call("blocks", options, x3, *args)[:2]
+    local, t_scale = _call("blocks", options, x3, *args, *_in_graph(dtype))[:2]
     if local.dim() == 4:  # the kernel's blocks' shape (fused_kernels._k_blocks)
         local = local.view(x3.shape)
     local = _from3(local[:, :-plan.pad] if plan.pad else local, plan.layout)
@@ -495,6 +518,12 @@ def _blocks(x: Tensor, fmt: mx.BlockFormat, dim: int, stochastic: bool, generato
         _keep_fast(_fast_key("blocks", fmt, dim, stochastic, x, rot), "blocks", options, x3, args, (0, 5, 6, 7), local,
                    2, fmt)
     return local, t_scale
+
+
+def _in_graph(dtype: torch.dtype | None) -> tuple[torch.dtype, ...]:
+    """A block or tile kernel's ``out_dtype`` argument: only when traced into a graph, where inductor
+    fuses the cast into the kernel's pass; a kernel compiled on its own keeps one FP32 variant."""
+    return (dtype,) if dtype is not None and dtype != torch.float32 and torch.compiler.is_compiling() else ()
 
 
 class _Tiling(NamedTuple):

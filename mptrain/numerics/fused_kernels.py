@@ -231,12 +231,14 @@ def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
 
 
 def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
-              counter: Tensor | None, rot: Tensor | None = None) -> tuple[Tensor | None, ...]:
+              counter: Tensor | None, rot: Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
     multiple of the block (the caller pads), or, ``short``, N at most one block: one block, any
     zero padding left out (it changes no amax). Uniforms follow the reference's layout,
     x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N.
-    ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory."""
+    ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory.
+    ``out_dtype``: ``local`` cast to it (``_cast_in_kernel``)."""
     bs = 16 if kind == "nvfp4" else 32
     a, n, b = x3.shape
     if not short:
@@ -269,19 +271,22 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # on an AVX2 CPU (scripts/kept_scales_bench.py). Measured on CPU only. (Its draw keys, kept as
     # well, gained nothing measurable there.)
     keep = b != 1 or (kind == "nvfp4" and x3.device.type == "cpu")
-    local = q * local_scale
+    local = _cast_in_kernel(q * local_scale, out_dtype)
     # Kept scales with B = 1 return the blocks' shape, which the caller views: viewed as (A, N, 1) here,
     # inductor wrote the result once more into a buffer of that shape (it saw no view), a full pass.
+    # The other results merge back here: by ``_merged`` on a GPU and for B > 1, by view for a CPU's
+    # B = 1 kernels (merged, torch 2.14's stored the scaled elements in a buffer of their own: an
+    # MXFP8 call took 1.4x as long).
     if not (keep and b == 1 and not short):
-        local = local.view(a, n, b)
+        local = local.view(a, n, b) if b == 1 and x3.device.type == "cpu" else _merged(local, (a, n, b))
     return local, t_scale, *(_kept(mult, local_scale) if keep else ())
 
 
 def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
-             counter: Tensor | None) -> tuple[Tensor | None, ...]:
+             counter: Tensor | None, out_dtype: torch.dtype | None = None) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(..., block_2d=True)`` on (R, C), both multiples of the block (the caller
     pads, and stacks leading dims into R). Uniforms in the reference's layout (row tiles, column
-    tiles, bs * bs)."""
+    tiles, bs * bs). ``out_dtype`` as ``_k_blocks``'."""
     bs = 16 if kind == "nvfp4" else 32
     r, c = x2.shape
     torch._check(r % bs == 0)  # as in _k_blocks: the caller pads, and the compiler should know
@@ -297,7 +302,33 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
         u = uniform_from_index(idx, ka, kb)
     q = _round(tiles * mult, pf, pi, u)
-    return (q * local_scale).view(r, c), t_scale, *_kept(mult, local_scale)
+    local = _cast_in_kernel(q * local_scale, out_dtype)
+    # merged on a GPU (``_merged``: one kernel less in an NVFP4 Linear's forward graph); on a CPU the
+    # view's kernel was the faster (merged, a (1024, 1024) NVFP4 call took 1.07x to 1.4x as long)
+    local = local.view(r, c) if x2.device.type == "cpu" else _merged(local, (r, c))
+    return local, t_scale, *_kept(mult, local_scale)
+
+
+def _merged(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """``t.view(shape)`` for a result whose blocked dims (n // bs, bs) merge back into n: as_strided on
+    a contiguous t, not view. With dynamic sizes the compiler cannot prove bs * (n // bs) == n (even
+    after torch._check says n % bs == 0), so a view became a copy: a kernel and a pass over memory
+    per GEMM operand inside a compiled graph (``qgemm._gemms``; inductor's Triton for an MXFP8
+    Linear: 15 kernels a step, 10 this way), and a second loop over the result in a CPU's B > 1
+    kernel. t is contiguous here (an elementwise result of x's dense (A, n, B) view), so
+    ``contiguous`` copies nothing."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return t.contiguous().as_strided(shape, strides)
+
+
+def _cast_in_kernel(local: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """``local`` in ``dtype`` (a GEMM's compute dtype), cast in the blocks' own shape, before any view:
+    in a compiled graph (``qgemm._gemms``) a cast of the viewed result was a kernel of its own on
+    CUDA, and the scaled elements went through memory in FP32 in between (inductor's Triton for an
+    MXFP8 Linear with bf16 products: 5 kernels forward, 3 with the cast here)."""
+    return local if dtype is None else local.to(dtype)
 
 
 _BODIES: dict[str, Callable[..., Any]] = {

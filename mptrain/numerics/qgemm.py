@@ -60,9 +60,11 @@ from mptrain.numerics.rounding_rng import RoundingStream
 
 class Quantizer(Protocol):
     """Quantizes one GEMM operand along its reduction ``dim``: returns (local, tensor scale or None)
-    with x ~ local * scale. ``role`` is input, weight or grad (gradients may round stochastically)."""
+    with x ~ local * scale, local in ``dtype`` (the GEMM's compute dtype; FP32 if None). ``role`` is
+    input, weight or grad (gradients may round stochastically)."""
 
-    def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]: ...
+    def __call__(self, x: Tensor, dim: int, role: str,
+                 dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]: ...
 
 
 class RngStreams:
@@ -99,11 +101,12 @@ class BlockQuantizer:
     rng: RngStreams = field(default_factory=lambda: RngStreams(0))
     rotates = True  # takes wgrad's Hadamard rotation into its kernel (``_wgrad_operands``)
 
-    def __call__(self, x: Tensor, dim: int, role: str, rotation: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, x: Tensor, dim: int, role: str, dtype: torch.dtype | None = None,
+                 rotation: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         sr = self.stochastic_grads and role == "grad"
         return fused.quantize_blocks(
             x, self.fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None,
-            block_2d=role == "weight_2d", rotation=rotation,
+            block_2d=role == "weight_2d", rotation=rotation, dtype=dtype,
         )  # fmt: skip
 
     def graph_key(self) -> str:
@@ -132,10 +135,12 @@ class AxiswiseQuantizer:
     stochastic_grads: bool = False
     rng: RngStreams = field(default_factory=lambda: RngStreams(0))
 
-    def __call__(self, x: Tensor, dim: int, role: str) -> tuple[Tensor, Tensor | None]:
+    def __call__(self, x: Tensor, dim: int, role: str,
+                 dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
         fmt = self.backward if role == "grad" else self.forward
         sr = self.stochastic_grads and role == "grad"
-        return fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None), None
+        q = fused.axiswise_round(x, fmt, dim, stochastic=sr, generator=self.rng.get(x.device) if sr else None)
+        return (q if dtype is None else fused.cast(q, dtype)), None
 
     def graph_key(self) -> str:
         return f"{self.forward.name}/{self.backward.name}{'-sr' if self.stochastic_grads else ''}"
@@ -215,22 +220,11 @@ def _scale_(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
     return y.mul_(s)
 
 
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t.to(dtype)`` in t's memory layout, inside a compiled graph too. Eager ``to`` keeps the
-    strides of wgrad's operands, which are transposed views (quantized along tokens, stored
-    token-major); inductor lays a cast out row-major in its logical shape, so inside a Linear's
-    graph (``_gemms``) wgrad's bf16 copy of x was written transposed, against the order its kernel
-    reads x in, and the GEMM saw another layout than in eager. Casting the transpose gives the same
-    values in eager's layout."""
-    if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) != 1:
-        return t.mT.to(dtype).mT
-    return t.to(dtype)
-
-
 def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor,
                     rot: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
     """Quantize the wgrad GEMM's operands g (rows, K) and x (cols, K), both along K (tokens); with
     the Hadamard transform, K is zero-padded to a multiple of 16 and both are rotated first."""
+    cd = recipe.compute_dtype
     if recipe.hadamard_signs is not None:
         extra = -g.shape[1] % HADAMARD_SIZE
         if extra:
@@ -238,12 +232,12 @@ def _wgrad_operands(recipe: GemmRecipe, g: Tensor, x: Tensor,
         if getattr(recipe.quantizer, "rotates", False):
             # rotated inside the quantizer's kernel: no pass over memory of its own (it was two eager
             # GEMMs a layer, ~7% of an NVFP4 ResNet-50/8 step on a CPU)
-            gl, gs = recipe.quantizer(g, 1, "grad", rotation=rot)
-            xl, xs = recipe.quantizer(x, 1, "input", rotation=rot)
+            gl, gs = recipe.quantizer(g, 1, "grad", cd, rotation=rot)
+            xl, xs = recipe.quantizer(x, 1, "input", cd, rotation=rot)
             return gl, gs, xl, xs
         g, x = rotate(g, 1, rot), rotate(x, 1, rot)  # type: ignore[arg-type]
-    gl, gs = recipe.quantizer(g, 1, "grad")
-    xl, xs = recipe.quantizer(x, 1, "input")
+    gl, gs = recipe.quantizer(g, 1, "grad", cd)
+    xl, xs = recipe.quantizer(x, 1, "input", cd)
     return gl, gs, xl, xs
 
 
@@ -253,9 +247,9 @@ def _linear_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmReci
     cd = recipe.compute_dtype
     # Quantized in x's own shape (blocks along its last dim), so that the output is no view:
     # the next layer may modify it in place (AlexNet's and VGG's ReLU(inplace=True)).
-    xl, xs = recipe.quantizer(x, -1, "input")
-    wl, ws = recipe.quantizer(weight, 1, "weight_2d" if recipe.weight_2d else "weight")
-    y = _scale_((xl.to(cd) @ wl.to(cd).t()).float(), xs, ws)
+    xl, xs = recipe.quantizer(x, -1, "input", cd)
+    wl, ws = recipe.quantizer(weight, 1, "weight_2d" if recipe.weight_2d else "weight", cd)
+    y = _scale_((xl @ wl.t()).float(), xs, ws)
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype), (wl if recipe.weight_2d else None), ws
@@ -269,12 +263,12 @@ def _linear_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: T
     g = dy.reshape(-1, dy.shape[-1]).float()
     dx = dw = None
     if needs[0]:
-        gl, gs = recipe.quantizer(g, 1, "grad")  # along out_features
-        wl, ws = (w, w_scale) if recipe.weight_2d else recipe.quantizer(w, 0, "weight")  # along out_features
-        dx = _scale_((gl.to(cd) @ wl.to(cd)).float(), gs, ws).reshape(x.shape).to(x.dtype)
+        gl, gs = recipe.quantizer(g, 1, "grad", cd)  # along out_features
+        wl, ws = (w, w_scale) if recipe.weight_2d else recipe.quantizer(w, 0, "weight", cd)  # along out_features
+        dx = _scale_((gl @ wl).float(), gs, ws).reshape(x.shape).to(x.dtype)
     if needs[1]:
         gl, gs, xl, xs = _wgrad_operands(recipe, g.t(), x2.float().t(), rot)  # (out, N), (in, N)
-        dw = _scale_((_cast(gl, cd) @ _cast(xl, cd).t()).float(), gs, xs).to(w_dtype)
+        dw = _scale_((gl @ xl.t()).float(), gs, xs).to(w_dtype)
     return dx, dw
 
 
