@@ -9,6 +9,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs/benchmarks"
@@ -546,3 +547,56 @@ def test_the_graph_host_bench_in_prose_is_its_data():
     per_call = [row["launches"] / (row["graph calls"] / 2) for row in formats_profiles("h200-2026-11-28").values()
                 if row["graph calls"]]
     assert f"{min(per_call):.1f} to {max(per_call):.1f} launches per graph call in the sixth run's profiles" in text
+
+
+def triton_kernel_phrases() -> dict[str, str]:
+    """docs/benchmarks/README.md's section on the Linear graphs' Triton kernels counted without a GPU
+    (scripts/triton_kernels.py, before and at the change), what they give against the sixth run's
+    launches, and the CPU runs that alternate between the two commits."""
+    def load(name: str) -> dict[str, Any]:
+        return json.loads((BENCH_DIR / f"{name}.json").read_text())
+
+    before, now = load("triton-kernels-7770839")["cells"], load("triton-kernels-71628f2")["cells"]
+    rows = []
+    for b, n in zip(before, now, strict=True):
+        assert (b["format"], b["compute"]) == (n["format"], n["compute"])
+        counts = [f"{len(c['fwd'])} + {len(c['bwd'])} = {c['per_step']}" for c in (b, n)]
+        rows.append(f"| {b['format']} | {b['compute']} | {counts[0]} | {counts[1]} |")
+    sixth = load("h200-2026-11-28-transformer-formats")["cells"]
+    cells = {c["precision"]: len(c["low_precision_layers"]) for c in sixth
+             if c["precision"] in ("mxfp8", "mxfp8_bf16", "nvfp4", "nvfp4_bf16")}
+    launches = {k: v["launches"] for k, v in formats_profiles("h200-2026-11-28").items()}
+    per_layer = {("mxfp8" if c["format"] == "mxfp8" else "nvfp4") + ("_bf16" if c["compute"] == "bf16" else ""):
+                 c["per_step"] for c in before}  # fmt: skip
+    counted = {k: per_layer[k] * cells[k] for k in per_layer}
+    off = {k: (counted[k] - launches[k]) / cells[k] for k in counted}
+    assert abs(off["mxfp8"]) < 0.1 and off["mxfp8_bf16"] == 0 and off["nvfp4"] == off["nvfp4_bf16"] == 1
+    agree = (f"{counted['mxfp8']:.0f} and {counted['mxfp8_bf16']:.0f} Triton launches a step for MXFP8 (FP32 and "
+             f"bf16 products), where the profiles counted {launches['mxfp8']:.0f} and {launches['mxfp8_bf16']:.0f}, "
+             f"and {counted['nvfp4']:.0f} and {counted['nvfp4_bf16']:.0f} for NVFP4, where they counted "
+             f"{launches['nvfp4']:.0f} and {launches['nvfp4_bf16']:.0f}: MXFP8's to one launch, NVFP4's one a "
+             "layer too many")
+    runs = {f"{m} {w}": [{(r["model"], r["mode"]): r for r in load(f"cpu-2026-11-29-avx512-merge-{m}-{w}-r{i}")["rows"]}
+                         for i in (1, 2)] for m in ("resnet", "mlp") for w in ("before", "after")}  # fmt: skip
+
+    def two(runs_: list[dict[Any, Any]], key: tuple[str, str], f: Any) -> str:
+        return " and ".join(f(r[key]) for r in runs_)
+
+    ratio = lambda r: f"{r['vs_fp32_cpu']:.2f}×"  # noqa: E731
+    quant = lambda r: f"{r['gap']['quantizers_ms']:.1f}"  # noqa: E731
+    rn, mlp = ("resnet50/8",), ("mlp 4x1024 b1024",)
+    cpu = (f"ResNet-50/8 stayed within its noise: MXFP8 {two(runs['resnet before'], (*rn, 'mxfp8'), ratio)} before, "
+           f"{two(runs['resnet after'], (*rn, 'mxfp8'), ratio)} after; NVFP4 "
+           f"{two(runs['resnet before'], (*rn, 'nvfp4'), ratio)} before, "
+           f"{two(runs['resnet after'], (*rn, 'nvfp4'), ratio)} after. The MLP's MXFP8 "
+           f"quantizers took {two(runs['mlp before'], (*mlp, 'mxfp8'), quant)} ms of a batch-1024 step before and "
+           f"{two(runs['mlp after'], (*mlp, 'mxfp8'), quant)} ms after; its step against FP32 went from "
+           f"{two(runs['mlp before'], (*mlp, 'mxfp8'), ratio)} to {two(runs['mlp after'], (*mlp, 'mxfp8'), ratio)}.")
+    return {"TRITON_ROWS": "\n".join(rows), "TRITON_LAYERS": f"{cells['mxfp8']} for MXFP8, {cells['nvfp4']} for NVFP4",
+            "TRITON_AGREE": agree, "TRITON_CPU": cpu}
+
+
+def test_the_triton_kernel_counts_in_prose_are_their_data() -> None:
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    missing = [p for p in triton_kernel_phrases().values() if " ".join(p.split()) not in text]
+    assert not missing, missing
