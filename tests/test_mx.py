@@ -308,6 +308,32 @@ class _Identity:
         return x.to(dtype or torch.float32), None
 
 
+@pytest.mark.parametrize(("x_layout", "w_layout"), [("nchw", "nchw"), ("cl", "nchw"), ("cl", "cl")])
+@pytest.mark.parametrize(("c_in", "c_out", "size", "k", "stride"), [(64, 64, 2, 3, 1), (64, 32, 14, 3, 1),
+                                                                    (16, 16, 8, 3, 2), (256, 64, 2, 1, 1)])
+def test_conv_dgrad_with_nothing_quantized_is_the_plain_convs(c_in: int, c_out: int, size: int, k: int, stride: int,
+                                                             x_layout: str, w_layout: str) -> None:
+    """With a quantizer that changes nothing, the layer's input gradient is an FP32 Conv2d's under
+    autograd, bit for bit and in the same memory format: dgrad is the same convolution backward, given
+    the same operands (an expanded placeholder for x made a channels-last dx NCHW, summed in another
+    order). Read off a hook: a leaf's .grad is laid out like the leaf whatever backward returned."""
+    g = torch.Generator().manual_seed(3)
+    fmt = {"nchw": torch.contiguous_format, "cl": torch.channels_last}
+    x = torch.randn(8, c_in, size, size, generator=g).contiguous(memory_format=fmt[x_layout])
+    w = torch.randn(c_out, c_in, k, k, generator=g).contiguous(memory_format=fmt[w_layout])
+    conv = (stride, stride), (k // 2, k // 2), (1, 1)
+    dy = torch.randn(F.conv2d(x, w, None, *conv).shape, generator=g).contiguous(memory_format=fmt[x_layout])
+    grads = []
+    for run in (lambda t: QuantConv2dFn.apply(t, w, None, GemmRecipe(_Identity()), *conv),
+                lambda t: F.conv2d(t, w, None, *conv)):
+        leaf = x.clone().requires_grad_()
+        t = leaf * 1  # a non-leaf: its hook sees the gradient as the layer's backward returned it
+        t.register_hook(grads.append)
+        run(t).backward(dy)
+    quantized, plain = grads
+    assert quantized.stride() == plain.stride() and torch.equal(quantized, plain)
+
+
 def test_hadamard_is_orthogonal_and_seeded() -> None:
     h = hadamard_matrix(16)
     assert torch.equal(h @ h.t(), torch.eye(16)) and set(h.abs().unique().tolist()) == {0.25}

@@ -293,10 +293,12 @@ def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Ten
     if needs[0]:
         gl, gs = recipe.quantizer(g, 1, "grad")  # per output pixel, along C_out
         wl, ws = (w, w_scale) if recipe.weight_2d else _conv_weight(recipe, w, "dgrad")
-        # torch.nn.grad.conv2d_input's own call, without its Python wrapper (~7 us a layer and step)
-        dx = torch.ops.aten.convolution_backward(_as(gl.to(cd), dy), dy.new_empty(1).expand(x.shape), _as(wl.to(cd), w),
-                                                 None, stride, padding, dilation, False, [0], 1,
-                                                 (True, False, False))[0]  # fmt: skip
+        # The input gradient alone, given the saved x as autograd's conv backward is. Not the expanded
+        # placeholder torch.nn.grad.conv2d_input passes: aten copied it to a contiguous x-sized tensor
+        # on every call (+20-40 us a layer on a CPU), and a channels-last layer's dx came out NCHW, summed
+        # in another order than the plain conv's backward.
+        dx = torch.ops.aten.convolution_backward(_as(gl.to(cd), dy), x, _as(wl.to(cd), w), None, stride, padding,
+                                                 dilation, False, [0], 1, (True, False, False))[0]  # fmt: skip
         dx = _scale_(dx.float(), gs, ws).to(x.dtype)
     if needs[1]:
         c_out, _, kh, kw = w.shape
