@@ -45,9 +45,11 @@ def wgrad_columns(x: Tensor, k: tuple[int, int], stride: tuple[int, int], paddin
     ho, wo = _out_size(x.shape, k, stride, padding, dilation)
     way = _way(x, k, padding, ho, wo, fast)
     if way == "gather":
-        xp = _pad(x, padding)
-        index = _gather_index(tuple(xp.shape), k, stride, dilation, x.device)
-        return xp.reshape(-1).index_select(0, index).view(c * kh * kw, n * ho * wo)
+        # x's elements and one zero after them, which every padded position reads: not a padded copy of
+        # x, which F.pad fills and then copies x into in rows of W pixels (16-37 us of a 54-92 us
+        # gather on ResNet-50/8's 2x2 and 4x4 maps, one CPU thread)
+        index = _gather_index(tuple(x.shape), k, stride, padding, dilation, x.device)
+        return torch.cat((x.reshape(-1), x.new_zeros(1))).index_select(0, index).view(c * kh * kw, n * ho * wo)
     if way == "unfold":
         cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
         return cols.permute(1, 0, 2).reshape(c * kh * kw, -1)
@@ -77,8 +79,8 @@ def _out_size(shape: torch.Size | tuple[int, ...], k: tuple[int, int], stride: t
                  for d in (0, 1))  # type: ignore[return-value]
 
 
-def _pad(x: Tensor, padding: tuple[int, int]) -> Tensor:
-    return F.pad(x, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else x
+def _pad(x: Tensor, padding: tuple[int, int], value: float = 0.0) -> Tensor:
+    return F.pad(x, (padding[1], padding[1], padding[0], padding[0]), value=value) if any(padding) else x
 
 
 def _windows(xp: Tensor, k: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int], ho: int,
@@ -91,9 +93,10 @@ def _windows(xp: Tensor, k: tuple[int, int], stride: tuple[int, int], dilation: 
 
 
 @functools.lru_cache(maxsize=16)
-def _gather_index(padded: tuple[int, ...], k: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int],
-                  device: torch.device) -> Tensor:
-    """The padded input's element numbers in the columns' order, once per layer shape."""
-    ho, wo = _out_size(padded, k, stride, (0, 0), dilation)
-    numbers = torch.arange(math.prod(padded), dtype=torch.int32, device=device).view(padded)
-    return _windows(numbers, k, stride, dilation, ho, wo).reshape(-1)
+def _gather_index(shape: tuple[int, ...], k: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+                  dilation: tuple[int, int], device: torch.device) -> Tensor:
+    """x's element numbers in the columns' order, once per layer shape; a padded position reads
+    number x.numel(), the zero ``wgrad_columns`` appends to x."""
+    numel = math.prod(shape)
+    numbers = _pad(torch.arange(numel, dtype=torch.int32, device=device).view(shape), padding, numel)
+    return _windows(numbers, k, stride, dilation, *_out_size(shape, k, stride, padding, dilation)).reshape(-1)
