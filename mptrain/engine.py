@@ -47,7 +47,7 @@ from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.memory import PeakMemory, host_memory
-from mptrain.numerics import fused, rounding_rng
+from mptrain.numerics import compiled_calls, fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan, render
 from mptrain.numerics.precision import MasterWeights, Precision, build_precision
@@ -210,6 +210,7 @@ class Engine:
         scaler = build_scaler(cfg.loss_scale, self.policy, self.device)
         module = scaler.attach(module)
         if cfg.trainer.compile:
+            compiled_calls.remember_isa_checks()
             module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
         if self.sharding is not None:
             # Each rank checks only its shards for Inf/NaN: the flag is all-reduced (max) so that all skip.

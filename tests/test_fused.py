@@ -371,6 +371,41 @@ def test_2d_tiles(fmt: BlockFormat, monkeypatch: pytest.MonkeyPatch) -> None:
     assert kept == [w.shape] * 2 + [w4.shape] * 2 + [head.shape] * 2 + [column.shape]
 
 
+def test_the_cpu_isa_check_loads_its_library_in_a_child_once_not_in_every_process(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor checks a vector ISA by loading a test library in a child Python process, which
+    imports torch (~1.7 s). A check that passed once is not made again: on torch 2.11 every process
+    made its six again, ~10 s of every emulated run's start (``compiled_calls.remember_isa_checks``;
+    torch 2.14 keeps the same marker itself)."""
+    import platform
+
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("an x86 CPU with AVX2 or more: the ISA inductor checks here")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing built or checked yet
+    compiled_calls.remember_isa_checks()
+    isa, code = cpu_vec_isa.VecAVX2(), cpu_vec_isa.VecISA._avx_code
+    children: list[Any] = []
+    real = cpu_vec_isa.subprocess.Popen
+
+    def popen(args: Any, *a: Any, **k: Any) -> Any:
+        children.append(args)
+        return real(args, *a, **k)
+
+    monkeypatch.setattr(cpu_vec_isa.subprocess, "Popen", popen)
+    if not isa.check_build(code):
+        pytest.skip("no C++ compiler that builds AVX2 code")
+    loads = [c for c in children if c[0] == cpu_vec_isa.sys.executable]
+    assert len(loads) == 1  # the first check loads the library in a child
+    del children[:]
+    assert isa.check_build(code)  # as a new process's first check would (the library is built)
+    assert children == []
+    # A check that failed is not remembered: a library that does not build is built again.
+    assert not isa.check_build(code + "\n#error not this time\n") and children
+
+
 @pytest.mark.kernels("blocks")
 def test_a_new_trace_of_a_block_kernel_loads_from_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a new process pays for a kernel an earlier one compiled: dynamo traces it again, and

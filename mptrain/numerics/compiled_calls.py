@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import inspect
 import logging
 import re
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -52,6 +55,49 @@ _EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.dis
 _CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__version__}}
 
 
+_isa_checks_remembered = False
+
+
+def remember_isa_checks() -> None:
+    """Before its first CPU kernel in a process, inductor picks the vector ISA by building a test
+    library for each ISA the CPU claims and loading it in a child ``python -c "import torch; ..."``.
+    Before torch 2.14 it spawns those children in every process, the libraries long built: six on
+    an AVX-512 CPU, ~10 s of every emulated run's start (a warm probe of the fused path took 13.0 s
+    on torch 2.11 against 2.9 s on 2.14.1, scratch). Torch 2.14 leaves a marker beside a library
+    that loaded and skips the child from then on; this does the same where torch does not. A marker
+    is written only after inductor's own check passed, and is named by all that check depends on:
+    the compiler, the ISA's flags, torch's version (inductor's own fingerprint) and the test code.
+    Called before anything compiles (``_Inductor``, the engine's ``trainer.compile``)."""
+    global _isa_checks_remembered
+    if _isa_checks_remembered:
+        return
+    _isa_checks_remembered = True
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        check = cpu_vec_isa.VecISA.check_build
+        fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint
+        if "load_ok" in inspect.getsource(check):  # torch >= 2.14: its own marker
+            return
+    except (ImportError, AttributeError, OSError, TypeError):  # another inductor: left as it is
+        return
+
+    def check_build(self: Any, code: str) -> bool:
+        # _arch_flags at call time: the bf16, VNNI and AMX checks add their flags around the call
+        key = hashlib.sha256(f"{fingerprint(self._arch_flags)}\n{code}".encode()).hexdigest()[:32]
+        marker = Path(cache_dir()) / "mptrain_isa_checks" / f"{key}.ok"
+        if marker.is_file():
+            return True
+        ok = check(self, code)
+        if ok:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        return ok
+
+    cpu_vec_isa.VecISA.check_build = check_build
+
+
 class _Unfused(Exception):
     """This call cannot run compiled (a torch.Generator, a kernel past dynamo's recompile limit)."""
 
@@ -61,6 +107,7 @@ class _Inductor(torch._TorchCompileInductorWrapper):  # type: ignore[misc, name-
     compiles with its compiled function, and which of them ran last (``_Direct``)."""
 
     def __init__(self, options: dict[str, Any]) -> None:
+        remember_isa_checks()
         super().__init__(None, {**_CACHEABLE, **options}, None)
         self.graphs: list[tuple[torch.fx.GraphModule, Callable[..., Any]]] = []
         self.ran: int | None = None
