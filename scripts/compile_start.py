@@ -48,11 +48,14 @@ def run_once(cache: Path, overrides: list[str]) -> dict[str, float]:
 
 
 def mptrain_commit() -> str:
-    """``git describe`` of the mptrain the children import (a worktree on PYTHONPATH, or this tree)."""
+    """The commit of the mptrain the children import (a worktree on PYTHONPATH, or this tree), "-dirty"
+    where the package differs from it (changes elsewhere in the tree, as to the tests, are not what ran)."""
     where = subprocess.run([sys.executable, "-c", "import mptrain, os; print(os.path.dirname(mptrain.__file__))"],
                            capture_output=True, text=True, env=os.environ, cwd=tempfile.gettempdir()).stdout.strip()
-    out = subprocess.run(["git", "-C", where, "describe", "--always", "--dirty"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    git = ["git", "-C", where]
+    commit = subprocess.run([*git, "describe", "--always"], capture_output=True, text=True).stdout.strip()
+    changed = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True).stdout.strip()
+    return (commit or "unknown") + ("-dirty" if changed else "")
 
 
 def main() -> None:
