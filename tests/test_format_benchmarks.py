@@ -653,3 +653,46 @@ def test_the_dgrad_and_batch_2_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in dgrad_phrases() if p not in text]
     assert not missing, missing
+
+
+START_RUNS = {"71cb5af, torch 2.11": ("cpu-2026-11-29-avx512-compile-start-71cb5af-torch2.11-r1",
+                                      "cpu-2026-11-29-avx512-compile-start-71cb5af-torch2.11-r2"),
+              "ee4f515, torch 2.11": ("cpu-2026-11-29-avx512-compile-start-ee4f515-torch2.11-r1",
+                                      "cpu-2026-11-29-avx512-compile-start-ee4f515-torch2.11-r2"),
+              "ee4f515, torch 2.14.1": ("cpu-2026-11-29-avx512-compile-start-ee4f515-torch2.14.1",)}
+
+
+def start_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on an emulated run's start: each run's cold and warm rows,
+    and the warm ranges the prose gives."""
+    out, warm = [], {}
+    for label, names in START_RUNS.items():
+        runs = [benchmark(n) for n in names]
+        commit, torch_version = label.split(", torch ")
+        for r in runs:
+            assert r["meta"]["mptrain"] == commit and r["meta"]["versions"]["torch"].startswith(torch_version)
+        for i, r in enumerate(runs):
+            cold, *hot = r["runs"]
+            assert cold["cache"] == "cold" and all(h["cache"] == "warm" for h in hot)
+            out.append(f"| {label}{', again' if i else ''} | {cold['wall_s']:.1f} ({cold['compile_time_s']:.1f}) | "
+                       + ", ".join(f"{h['wall_s']:.1f} ({h['compile_time_s']:.1f})" for h in hot) + " |")
+        warm[label] = [h for r in runs for h in r["runs"][1:]]
+    before, after, later = (warm[k] for k in START_RUNS)
+
+    def span(rs: list[dict[str, Any]], key: str) -> str:
+        return f"{min(r[key] for r in rs):.1f} to {max(r[key] for r in rs):.1f} s"
+
+    assert max(r["wall_s"] for r in after) < min(r["wall_s"] for r in before)  # "every warm start"
+    out += [f"a warm start took {span(before, 'wall_s')} before ({span(before, 'compile_time_s')} of it compiling) "
+            f"and {span(after, 'wall_s')} after ({span(after, 'compile_time_s')})",
+            f"On torch 2.14.1, which keeps the marker itself, {span(later, 'wall_s')}"]
+    cold = {k: " and ".join(f"{benchmark(n)['runs'][0]['wall_s']:.1f}" for n in names)
+            for k, names in START_RUNS.items()}  # fmt: skip
+    out.append(f"Cold runs took {cold['71cb5af, torch 2.11']} s before and {cold['ee4f515, torch 2.11']} s after")
+    return out
+
+
+def test_the_start_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in start_phrases() if p not in text]
+    assert not missing, missing
