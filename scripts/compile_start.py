@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from mptrain.bench.common import write_report
+
 JOB = ["model=transformer_lm_tiny", "data.vocab_size=50", "data.train_tokens=4000", "data.val_tokens=800",
        "data.batch_size=4", "data.bptt=16", "data.max_val_batches=4", "precision=mx", "precision.format=nvfp4",
        "trainer.max_steps=4", "trainer.log_every=1", "trainer.precision_plan=false"]  # fmt: skip
@@ -88,10 +90,7 @@ def main() -> None:
                     *rows, "", f"Command: `{m['command']}`", ""])
     print(md)
     if a.out:
-        stem = a.name or f"cpu-{datetime.now(timezone.utc):%Y-%m-%d}-compile-start"
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-        (a.out / f"{stem}.md").write_text(md)
+        write_report(a.out, a.name or f"cpu-{datetime.now(timezone.utc):%Y-%m-%d}-compile-start", result, md)
 
 
 if __name__ == "__main__":
