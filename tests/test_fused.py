@@ -375,8 +375,8 @@ def test_the_cpu_isa_check_loads_its_library_in_a_child_once_not_in_every_proces
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Inductor checks a vector ISA by loading a test library in a child Python process, which
-    imports torch (~1.7 s). A check that passed once is not made again: on torch 2.11 every process
-    made its six again, ~10 s of every emulated run's start (``compiled_calls.remember_isa_checks``;
+    imports torch. A check that passed once is not made again: on torch 2.11 every process made its
+    checks again, about half of an emulated run's warm start (``compiled_calls.remember_isa_checks``;
     torch 2.14 keeps the same marker itself)."""
     import platform
 

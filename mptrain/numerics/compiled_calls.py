@@ -62,9 +62,9 @@ def remember_isa_checks() -> None:
     """Before its first CPU kernel in a process, inductor picks the vector ISA by building a test
     library for each ISA the CPU claims and loading it in a child ``python -c "import torch; ..."``.
     Before torch 2.14 it spawns those children in every process, the libraries long built: six on
-    an AVX-512 CPU, ~10 s of every emulated run's start (a warm probe of the fused path took 13.0 s
-    on torch 2.11 against 2.9 s on 2.14.1, scratch). Torch 2.14 leaves a marker beside a library
-    that loaded and skips the child from then on; this does the same where torch does not. A marker
+    an AVX-512 CPU, about half of an emulated run's warm start on torch 2.11 (docs/benchmarks/README.md,
+    "An emulated run's start on torch 2.11"). Torch 2.14 leaves a marker beside a library that
+    loaded and skips the child from then on; this does the same where torch does not. A marker
     is written only after inductor's own check passed, and is named by all that check depends on:
     the compiler, the ISA's flags, torch's version (inductor's own fingerprint) and the test code.
     Called before anything compiles (``_Inductor``, the engine's ``trainer.compile``)."""
