@@ -91,8 +91,9 @@ def remember_isa_checks() -> None:
             return True
         ok = check(self, code)
         if ok:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.touch()
+            with contextlib.suppress(OSError):  # no marker: the next process checks again, as before
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.touch()
         return ok
 
     cpu_vec_isa.VecISA.check_build = check_build
