@@ -55,9 +55,7 @@ _EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.dis
 _CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__version__}}
 
 
-_isa_checks_remembered = False
-
-
+@functools.cache  # once a process
 def remember_isa_checks() -> None:
     """Before its first CPU kernel in a process, inductor picks the vector ISA by building a test
     library for each ISA the CPU claims and loading it in a child ``python -c "import torch; ..."``.
@@ -68,10 +66,6 @@ def remember_isa_checks() -> None:
     is written only after inductor's own check passed, and is named by all that check depends on:
     the compiler, the ISA's flags, torch's version (inductor's own fingerprint) and the test code.
     Called before anything compiles (``_Inductor``, the engine's ``trainer.compile``)."""
-    global _isa_checks_remembered
-    if _isa_checks_remembered:
-        return
-    _isa_checks_remembered = True
     try:
         from torch._inductor import cpu_vec_isa
         from torch._inductor.runtime.cache_dir_utils import cache_dir
