@@ -246,10 +246,30 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
         # to (A, N, B) is not provably a view, and inductor copied the output once more.
         torch._check(n % bs == 0)
     xf = x3.float()
+    # Blocks along the contiguous dim (B = 1) inline MX's scales: stored, an MXFP8 (2048, 64) kernel was
+    # slower on an AVX-512 CPU. On a CPU, NVFP4's are kept there too: inlined, its scale (an E4M3
+    # rounding under the tensor scale, five divisions) ran once per vector of every block. Replayed
+    # side by side, an NVFP4 ResNet-50/8 step's B = 1 calls took less time kept in every kind of call,
+    # on an AVX2 CPU (scripts/kept_scales_bench.py). Measured on CPU only. (Its draw keys, kept as
+    # well, gained nothing measurable there.)
+    keep = b != 1 or (kind == "nvfp4" and x3.device.type == "cpu")
+    # Kept scales with B = 1 are worked out in a loop of their own, which inductor vectorises along
+    # its inner dim: as (A, N / bs, bs, 1) blocks that was a row's N / bs blocks, under one vector in
+    # a row under 16 blocks (every ResNet-50/8 activation), so each block's scale ran in the scalar
+    # remainder loop. As one run of A * N / bs blocks, they fill vectors: an NVFP4 (2048, 64) call
+    # took 110 against 190 us on an AVX-512 CPU. (MX's inlined scales gain nothing, and its
+    # stochastic rounding took twice as long so.)
+    flat = keep and b == 1 and not short
     if rot is not None:
         k = rot.shape[1]
-        xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
-    blocks = xf.view(a, 1, n, b) if short else xf.view(a, n // bs, bs, b)
+        # flat blocks rotated as they are: rotated in the (A, N / 16, 16, 1) view and viewed flat
+        # after, a (147, 8192) call (ResNet-50/8's stem, wgrad) took ten times as long
+        if flat and k == bs:
+            xf = mx.rotate_blocks(xf.view(a * (n // k), 1, k, 1), rot, 2)
+        else:
+            xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
+    rows, nb, k = (a * (n // bs), 1, bs) if flat else (a, 1, n) if short else (a, n // bs, bs)
+    blocks = xf.view(rows, nb, k, b)
     amax = blocks.abs().amax(2, keepdim=True)
     t_amax, t_scale = _tensor_scale(blocks, kind)
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
@@ -258,19 +278,13 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
         # Built in the blocks' own shape, the block's length a constant: viewed from an (A, N, B)
         # index, the block dim had the symbolic size n // (n // bs), and the MXFP8 SR kernel took
         # 1.4x as long on an AVX2 CPU. (Inductor still stores the hash's first half in a buffer.)
-        nb, k = (1, n) if short else (n // bs, bs)
-        idx = ((_arange(a, (a, 1, 1, 1), x3) * b + _arange(b, (1, 1, 1, b), x3)) * (bs if short else n)
+        # element (a, i, b) is draw (a * B + b) * N' + i (N': N padded, or the block if short); flat,
+        # a * N + i is run r = a * N / bs + i // bs's draw r * bs + i % bs
+        idx = ((_arange(rows, (rows, 1, 1, 1), x3) * b + _arange(b, (1, 1, 1, b), x3)) * (bs if short else nb * k)
                + _arange(nb, (1, nb, 1, 1), x3) * k + _arange(k, (1, 1, k, 1), x3))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
         u = uniform_from_index(idx, ka, kb)
     q = _round(blocks * mult, pf, pi, u)
-    # Blocks along the contiguous dim (B = 1) inline MX's scales: stored, an MXFP8 (2048, 64) kernel was
-    # slower on an AVX-512 CPU. On a CPU, NVFP4's are kept there too: inlined, its scale (an E4M3
-    # rounding under the tensor scale, five divisions) ran once per vector of every block. Replayed
-    # side by side, an NVFP4 ResNet-50/8 step's B = 1 calls took less time kept in every kind of call,
-    # on an AVX2 CPU (scripts/kept_scales_bench.py). Measured on CPU only. (Its draw keys, kept as
-    # well, gained nothing measurable there.)
-    keep = b != 1 or (kind == "nvfp4" and x3.device.type == "cpu")
     local = _cast_in_kernel(q * local_scale, out_dtype)
     # Kept scales with B = 1 return the blocks' shape, which the caller views: viewed as (A, N, 1) here,
     # inductor wrote the result once more into a buffer of that shape (it saw no view), a full pass.
