@@ -696,3 +696,45 @@ def test_the_start_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in start_phrases() if p not in text]
     assert not missing, missing
+
+
+# In the order they ran: two alternating pairs at 75af21a (stochastic rotated blocks flat too), then
+# two at 1f26e57 (those per row); each file renamed from the name its command gives.
+FLAT_RUNS = (("4f466fd", "r1"), ("75af21a", "r1"), ("4f466fd", "r2"), ("75af21a", "r2"),
+             ("4f466fd", "r3"), ("1f26e57", "r1"), ("4f466fd", "r4"), ("1f26e57", "r2"))  # fmt: skip
+
+
+def flat_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on NVFP4's B = 1 blocks as one run: the replay's table and
+    the eight ResNet-50/8 runs alternating between before and after, with what the prose says of them."""
+    replay = benchmark("cpu-2026-11-29-avx512-flat-blocks-1f26e57")
+    out = [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['rows']:.2f} | "
+           f"{r['ms_cpu']['flat']:.2f} | {r['flat_vs_rows']:.2f}× |" for r in replay["rows"]]
+    rows, flat = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in ("rows", "flat"))
+    out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
+               f"{sum(r['elements'] for r in replay['rows']):,} | {rows:.2f} | {flat:.2f} | {flat / rows:.2f}× |")
+    runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-flat-resnet-{c}-{i}")["rows"]}
+            for c, i in FLAT_RUNS]
+    nv = "nvfp4"
+    out.append("| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |")
+    out.append(f"| {nv} | " + " | ".join(f"{r[nv]['vs_fp32_cpu']:.2f}× ({r[nv]['vs_fp32_cpu_paired']:.2f}×)"
+                                         for r in runs) + " |")  # fmt: skip
+    out.append(f"| {nv} quantizers | " + " | ".join(f"{r[nv]['gap']['quantizers_ms']:.1f} ms" for r in runs) + " |")
+    before = [r[nv]["vs_fp32_cpu"] for r in runs[0::2]]
+    first, final = [r[nv]["vs_fp32_cpu"] for r in runs[1:4:2]], [r[nv]["vs_fp32_cpu"] for r in runs[5::2]]
+    assert max(final) <= FORMAT_TARGETS["resnet50/8", nv] < max(before)  # "at most 2× after, over 2× before"
+    assert max(first) > min(before)  # the first pair's runs overlap
+    fp32 = [r["fp32"]["step_ms_cpu"] for r in runs]
+    out += [
+        f"NVFP4 measured {min(before):.2f}× to {max(before):.2f}× in the four runs before, {first[0]:.2f}× and "
+        f"{first[1]:.2f}× at 75af21a, and {final[0]:.2f}× and {final[1]:.2f}× at 1f26e57",
+        f"FP32's step took {min(fp32):.1f} to {max(fp32):.1f} ms across the eight",
+        f"The replay saves {rows - flat:.2f} ms a step",
+    ]
+    return out
+
+
+def test_the_flat_blocks_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in flat_phrases() if p not in text]
+    assert not missing, missing
