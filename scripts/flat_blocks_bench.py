@@ -23,7 +23,6 @@ that kind's calls of one step. Freed host memory is kept, as a run keeps it (``t
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,35 +49,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     info = cpu_script_stamp("flat_blocks_bench.py", argv)
     info["host_memory"] = keep_freed_host_memory()
-    calls = kept_scales_bench.record()
     compiled_calls._BODIES["blocks_rows"] = _rows
     compiled_calls._PURE = compiled_calls._PURE | {"blocks_rows"}
-    kinds: dict[str, list[kept_scales_bench.Call]] = {}
-    for c in calls:  # args: pf, pi, kind, short, keys, counter, rot
-        kinds.setdefault(("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else ""),
-                         []).append(c)  # fmt: skip
-    ways = {"rows": "blocks_rows", "flat": "blocks"}
-    direct: dict[str, int] = {}
-    rows = []
-    for kind, group in kinds.items():
-        for options, x3, a in group:  # compiles both, and checks them bit for bit
-            got = [compiled_calls._call(name, options, x3, *a)[0].reshape(x3.shape) for name in ways.values()]
-            assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32)), kind
-        for options, x3, a in group:  # each way's calls go direct (the library's path), not through dynamo
-            for name in ways.values():
-                sig = compiled_calls._signature(name, options, x3.detach(), a)
-                direct[name] = direct.get(name, 0) + (compiled_calls._directs.get(sig) is not None)
-        times: dict[str, list[float]] = {way: [] for way in ways}
-        for _ in range(args.rounds):
-            for way, name in ways.items():
-                t0 = time.process_time()
-                for options, x3, a in group:
-                    compiled_calls._call(name, options, x3, *a)
-                times[way].append(time.process_time() - t0)
-        ms = {way: round(1e3 * min(t), 3) for way, t in times.items()}
-        rows.append({"kind": kind, "calls": len(group), "elements": sum(c[1].numel() for c in group), "ms_cpu": ms,
-                     "flat_vs_rows": round(ms["flat"] / ms["rows"], 3)})  # fmt: skip
-    assert direct["blocks"] == direct["blocks_rows"] == len(calls), direct
+    rows = kept_scales_bench.side_by_side(kept_scales_bench.record(), {"rows": "blocks_rows", "flat": "blocks"},
+                                          args.rounds)
+    for row in rows:
+        row["flat_vs_rows"] = round(row["ms_cpu"]["flat"] / row["ms_cpu"]["rows"], 3)
     result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
     write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))

@@ -69,6 +69,38 @@ def record() -> list[Call]:
     return calls
 
 
+def side_by_side(calls: list[Call], ways: dict[str, str], rounds: int) -> list[dict[str, Any]]:
+    """Each kind of call (to nearest or stochastic, rotated or not) run each of ``ways`` (way -> the
+    kernel body's name in ``compiled_calls._BODIES``): checked bit for bit (in x3's shape) and as
+    direct calls, then timed in ``rounds`` interleaved rounds. Rows: kind, calls, elements and the
+    minimum CPU ms of one step's calls of that kind per way."""
+    kinds: dict[str, list[Call]] = {}
+    for c in calls:  # args: pf, pi, kind, short, keys, counter, rot
+        kinds.setdefault(("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else ""),
+                         []).append(c)  # fmt: skip
+    direct: dict[str, int] = {}
+    rows = []
+    for kind, group in kinds.items():
+        for options, x3, a in group:  # compiles each way, and checks them bit for bit
+            got = [compiled_calls._call(name, options, x3, *a)[0].reshape(x3.shape) for name in ways.values()]
+            assert all(torch.equal(got[0].view(torch.int32), g.view(torch.int32)) for g in got[1:]), kind
+        for options, x3, a in group:  # each way's calls go direct (the library's path), not through dynamo
+            for name in ways.values():
+                sig = compiled_calls._signature(name, options, x3.detach(), a)
+                direct[name] = direct.get(name, 0) + (compiled_calls._directs.get(sig) is not None)
+        times: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(rounds):
+            for way, name in ways.items():
+                t0 = time.process_time()
+                for options, x3, a in group:
+                    compiled_calls._call(name, options, x3, *a)
+                times[way].append(time.process_time() - t0)
+        rows.append({"kind": kind, "calls": len(group), "elements": sum(c[1].numel() for c in group),
+                     "ms_cpu": {way: round(1e3 * min(t), 3) for way, t in times.items()}})  # fmt: skip
+    assert all(direct[name] == len(calls) for name in ways.values()), direct
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
@@ -76,35 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default="cpu-kept-scales")
     args = ap.parse_args(argv)
     info = cpu_script_stamp("kept_scales_bench.py", argv)
-    calls = record()
     compiled_calls._BODIES["blocks_inlined"] = _inlined
     compiled_calls._PURE = compiled_calls._PURE | {"blocks_inlined"}
-    kinds: dict[str, list[Call]] = {}
-    for c in calls:  # args: pf, pi, kind, short, keys, counter, rot
-        kinds.setdefault(("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else ""),
-                         []).append(c)  # fmt: skip
-    ways = {"inlined": "blocks_inlined", "kept": "blocks"}
-    direct: dict[str, int] = {}
-    rows = []
-    for kind, group in kinds.items():
-        for options, x3, a in group:  # compiles both, and checks them bit for bit
-            got = [compiled_calls._call(name, options, x3, *a)[0] for name in ways.values()]
-            assert torch.equal(got[0].view(torch.int32), got[1].view(torch.int32)), kind
-        for options, x3, a in group:  # each way's calls go direct (the library's path), not through dynamo
-            for name in ways.values():
-                sig = compiled_calls._signature(name, options, x3.detach(), a)
-                direct[name] = direct.get(name, 0) + (compiled_calls._directs.get(sig) is not None)
-        times: dict[str, list[float]] = {way: [] for way in ways}
-        for _ in range(args.rounds):
-            for way, name in ways.items():
-                t0 = time.process_time()
-                for options, x3, a in group:
-                    compiled_calls._call(name, options, x3, *a)
-                times[way].append(time.process_time() - t0)
-        ms = {way: round(1e3 * min(t), 3) for way, t in times.items()}
-        rows.append({"kind": kind, "calls": len(group), "elements": sum(c[1].numel() for c in group), "ms_cpu": ms,
-                     "kept_vs_inlined": round(ms["kept"] / ms["inlined"], 3)})  # fmt: skip
-    assert direct["blocks"] == direct["blocks_inlined"] == len(calls), direct
+    rows = side_by_side(record(), {"inlined": "blocks_inlined", "kept": "blocks"}, args.rounds)
+    for row in rows:
+        row["kept_vs_inlined"] = round(row["ms_cpu"]["kept"] / row["ms_cpu"]["inlined"], 3)
     result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
     write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
