@@ -29,7 +29,7 @@ from typing import Any
 import kept_scales_bench  # the script beside this one (its directory leads sys.path)
 import torch
 
-from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
+from mptrain.bench.common import cpu_script_stamp
 from mptrain.memory import keep_freed_host_memory
 from mptrain.numerics import compiled_calls, fused_kernels
 
@@ -51,29 +51,9 @@ def main(argv: list[str] | None = None) -> None:
     info["host_memory"] = keep_freed_host_memory()
     compiled_calls._BODIES["blocks_rows"] = _rows
     compiled_calls._PURE = compiled_calls._PURE | {"blocks_rows"}
-    rows = kept_scales_bench.side_by_side(kept_scales_bench.record(), {"rows": "blocks_rows", "flat": "blocks"},
-                                          args.rounds)
-    for row in rows:
-        row["flat_vs_rows"] = round(row["ms_cpu"]["flat"] / row["ms_cpu"]["rows"], 3)
-    result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
-    write_report(args.out, args.name, result, markdown(result))
-    print(markdown(result))
-
-
-def markdown(r: dict[str, Any]) -> str:
-    lines = [
-        *cpu_header(r["info"], "NVFP4's B = 1 blocks per row or as one run: one ResNet-50/8 step's B = 1 block "
-                    "calls, side by side",
-                    f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of "
-                    "the CPU time of one step's calls of each kind; both ways bit-identical on every call; "
-                    f"host memory: {r['info']['host_memory']}"),
-        "| calls | number | elements | rows ms | flat ms | flat / rows |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in r["rows"]:
-        lines.append(f"| {row['kind']} | {row['calls']} | {row['elements']:,} | {row['ms_cpu']['rows']:.2f} | "
-                     f"{row['ms_cpu']['flat']:.2f} | {row['flat_vs_rows']:.2f}x |")
-    return "\n".join([*lines, ""])
+    kept_scales_bench.report(args, info, {"rows": "blocks_rows", "flat": "blocks"},
+                             "NVFP4's B = 1 blocks per row or as one run: one ResNet-50/8 step's B = 1 block calls, "
+                             "side by side", f"; host memory: {info['host_memory']}")
 
 
 if __name__ == "__main__":

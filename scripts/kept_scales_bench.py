@@ -110,27 +110,31 @@ def main(argv: list[str] | None = None) -> None:
     info = cpu_script_stamp("kept_scales_bench.py", argv)
     compiled_calls._BODIES["blocks_inlined"] = _inlined
     compiled_calls._PURE = compiled_calls._PURE | {"blocks_inlined"}
-    rows = side_by_side(record(), {"inlined": "blocks_inlined", "kept": "blocks"}, args.rounds)
+    report(args, info, {"inlined": "blocks_inlined", "kept": "blocks"},
+           "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side")
+
+
+def report(args: argparse.Namespace, info: dict[str, Any], ways: dict[str, str], title: str, method: str = "") -> None:
+    """``side_by_side`` on one recorded step's calls, the two ``ways`` (before, after), written as
+    ``args.name``.json and .md under ``args.out`` with ``title``, and printed."""
+    before, after = ways
+    rows = side_by_side(record(), ways, args.rounds)
     for row in rows:
-        row["kept_vs_inlined"] = round(row["ms_cpu"]["kept"] / row["ms_cpu"]["inlined"], 3)
+        row[f"{after}_vs_{before}"] = round(row["ms_cpu"][after] / row["ms_cpu"][before], 3)
     result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}
-    write_report(args.out, args.name, result, markdown(result))
-    print(markdown(result))
-
-
-def markdown(r: dict[str, Any]) -> str:
     lines = [
-        *cpu_header(r["info"], "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block "
-                    "calls, side by side",
-                    f"- method: see the script's docstring; minimum over {r['rounds']} interleaved rounds of "
-                    "the CPU time of one step's calls of each kind; both ways bit-identical on every call"),
-        "| calls | number | elements | inlined ms | kept ms | kept / inlined |",
+        *cpu_header(result["info"], title,
+                    f"- method: see the script's docstring; minimum over {args.rounds} interleaved rounds of "
+                    f"the CPU time of one step's calls of each kind; both ways bit-identical on every call{method}"),
+        f"| calls | number | elements | {before} ms | {after} ms | {after} / {before} |",
         "|---|---|---|---|---|---|",
     ]
-    for row in r["rows"]:
-        lines.append(f"| {row['kind']} | {row['calls']} | {row['elements']:,} | {row['ms_cpu']['inlined']:.2f} | "
-                     f"{row['ms_cpu']['kept']:.2f} | {row['kept_vs_inlined']:.2f}x |")
-    return "\n".join([*lines, ""])
+    for row in rows:
+        lines.append(f"| {row['kind']} | {row['calls']} | {row['elements']:,} | {row['ms_cpu'][before]:.2f} | "
+                     f"{row['ms_cpu'][after]:.2f} | {row[f'{after}_vs_{before}']:.2f}x |")
+    text = "\n".join([*lines, ""])
+    write_report(args.out, args.name, result, text)
+    print(text)
 
 
 if __name__ == "__main__":
