@@ -232,14 +232,14 @@ def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
 
 def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: Tensor | None,
               counter: Tensor | None, rot: Tensor | None = None,
-              out_dtype: torch.dtype | None = None, flat: bool | None = None) -> tuple[Tensor | None, ...]:
+              out_dtype: torch.dtype | None = None, flat: bool = True) -> tuple[Tensor | None, ...]:
     """``quantize_blocks(...).local`` and ``.tensor_scale`` for blocks along dim 1 of (A, N, B), N a
     multiple of the block (the caller pads), or, ``short``, N at most one block: one block, any
     zero padding left out (it changes no amax). Uniforms follow the reference's layout,
     x.movedim(dim, -1) padded: element (a, i, b) is draw (a * B + b) * N' + i, N' the padded N.
     ``rot``: every 16 along N rotated first (``mx.rotate_blocks``), in the same pass over memory.
-    ``out_dtype``: ``local`` cast to it (``_cast_in_kernel``). ``flat``: B = 1 blocks as one run (below),
-    or not; None: where that pays (``scripts/flat_blocks_bench.py`` sets it to compare)."""
+    ``out_dtype``: ``local`` cast to it (``_cast_in_kernel``). ``flat=False``: B = 1 blocks per row even
+    where one run of blocks pays (below; ``scripts/flat_blocks_bench.py`` compares the two)."""
     bs = 16 if kind == "nvfp4" else 32
     a, n, b = x3.shape
     if not short:
@@ -261,13 +261,12 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # took 110 against 190 us on an AVX-512 CPU. Replayed side by side (scripts/flat_blocks_bench.py),
     # one ResNet-50/8 step's calls to nearest took 0.74x as long flat, stochastic ones 0.93x, rotated
     # ones 0.93x, but stochastic and rotated ones 1.05x: those stay per row. (MX's inlined scales gain
-    # nothing, and its stochastic rounding took twice as long flat.)
-    if flat is None:
-        flat = keep and b == 1 and not short and (keys is None or rot is None)
+    # nothing, and its stochastic rounding took 1.7 to 1.9 times as long flat.)
+    flat = flat and keep and b == 1 and not short and (keys is None or rot is None)
     if rot is not None:
         k = rot.shape[1]
         # flat blocks rotated as they are: rotated in the (A, N / 16, 16, 1) view and viewed flat
-        # after, a (147, 8192) call (ResNet-50/8's stem, wgrad) took ten times as long
+        # after, a (147, 8192) call (ResNet-50/8's stem, wgrad) took about ten times as long
         if flat and k == bs:
             xf = mx.rotate_blocks(xf.view(a * (n // k), 1, k, 1), rot, 2)
         else:
