@@ -1,14 +1,14 @@
 """Stochastic rounding's arithmetic in the fused kernels two ways, side by side in one process, on a CPU.
 
 ``fused_kernels._round`` rounds stochastically by the reference's rule: a scaled onto the integers of
-its binade, its floor, and 1 more where the uniform u is below the fraction. Before 8a1d0c4 it did so
+its binade, its floor, and 1 more where the uniform u is below the fraction. Before 9818627 it did so
 as the reference writes it, building 2**-e and 2**e from the exponent bits; from then on it reaches
 the same values from the nearest grid point (the add and subtract that rounding to nearest uses), a
 step down where that overshot, and ``u * ulp < a - down``. This replays one NVFP4 ResNet-50/8 step's
 B = 1 block-kernel calls (``kept_scales_bench.record``) two ways, each through ``compiled_calls._call``
 as a kernel of its own:
 
-- ``scaled``: the block kernel's body with ``_round`` as before 8a1d0c4 (the body's code, its
+- ``scaled``: the block kernel's body with ``_round`` as before 9818627 (the body's code, its
   module's globals but that one);
 - ``grid``: the library's kernel.
 
@@ -36,7 +36,7 @@ from mptrain.numerics import compiled_calls, fused_kernels
 
 
 def _scaled_round(xf: torch.Tensor, pf: Any, pi: Any, u: torch.Tensor | None) -> torch.Tensor:
-    """``fused_kernels._round`` as it was before 8a1d0c4 (its stochastic branch as the reference writes it)."""
+    """``fused_kernels._round`` as it was before 9818627 (its stochastic branch as the reference writes it)."""
     if u is None:
         return fused_kernels._round(xf, pf, pi, None)
     a = xf.abs().clamp(max=pf[0])
