@@ -48,6 +48,11 @@ def _exponent(a: Tensor) -> Tensor:
     return ((a.view(torch.int32) >> 23) & 0xFF) - 127
 
 
+def _pow2(k: Tensor) -> Tensor:
+    """2**k for an integer k in [-126, 127], straight from the exponent bits."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
 def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
     """``formats.round_arith`` for FP32 (saturating; to nearest even, or stochastic with uniforms
     ``u``) for a format given by its constants (``_elem``). The exponent comes from the bits, and NaN
@@ -60,19 +65,11 @@ def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
         # ops of the scale-round-scale path, every step still exact.
         c = ((a.view(torch.int32) & 0x7F800000).clamp(min=pi[2]) + pi[3]).view(torch.float32)
         return _with_sign((a + c) - c, xf)
-    # Stochastic: the reference scales a onto the integers of its binade (2**(mbits - e)), takes the
-    # floor and adds 1 where u < the fraction. The same by the add and subtract above: t is a rounded
-    # to the nearest grid point, down the grid point at or below a (t, or t - ulp where t overshot),
-    # and u < (a - down) / ulp is u * ulp < a - down. Every step is exact (the difference of two
-    # values an ulp apart, products by powers of two), so the values are the reference's bit for
-    # bit, in fewer ops than its two 2**k built from the bits (scripts/sr_round_bench.py). Adding
-    # ulp * the comparison, not selecting with torch.where: a select there failed to trace the
-    # tile kernel (dynamo could not view its result back as (R, C)).
-    c = ((a.view(torch.int32) & 0x7F800000).clamp(min=pi[2]) + pi[3]).view(torch.float32)
-    t = (a + c) - c
-    ulp = c * 2.0**-23
-    down = torch.where(t > a, t - ulp, t)
-    return _with_sign(down + ulp * (u * ulp < a - down).float(), xf)
+    e = torch.clamp(_exponent(a), pi[0], pi[1])
+    scaled = a * _pow2(-e) * pf[1]
+    down = torch.floor(scaled)
+    r = down + (u < scaled - down).float()
+    return _with_sign(r * pf[2] * _pow2(e), xf)
 
 
 def _with_sign(m: Tensor, x: Tensor) -> Tensor:
