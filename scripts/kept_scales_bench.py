@@ -41,8 +41,9 @@ def _inlined(x3: torch.Tensor, pf: torch.Tensor, pi: torch.Tensor, kind: str, sh
     return fused_kernels._k_blocks(x3, pf, pi, kind, short, keys, counter, rot)[:2]
 
 
-def record() -> list[Call]:
-    """One NVFP4 ResNet-50/8 step's block-kernel calls with B == 1 (after three warm-up steps)."""
+def record(every_b: bool = False) -> list[Call]:
+    """One NVFP4 ResNet-50/8 step's block-kernel calls with B == 1, or ``every_b``, all of them (after
+    three warm-up steps)."""
     rounding_rng.seed_rounding(0)
     _, batch, shape, classes = bench_formats.MODELS["resnet50/8"]
     g = torch.Generator().manual_seed(0)
@@ -55,7 +56,7 @@ def record() -> list[Call]:
     real = compiled_calls._call
 
     def rec(name: str, options: str, x3: torch.Tensor, *args: Any) -> Any:
-        if name == "blocks" and x3.dim() == 3 and x3.shape[2] == 1:
+        if name == "blocks" and x3.dim() == 3 and (every_b or x3.shape[2] == 1):
             calls.append((options, x3.detach().clone(),
                           tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)))
         return real(name, options, x3, *args)
@@ -76,8 +77,8 @@ def side_by_side(calls: list[Call], ways: dict[str, str], rounds: int) -> list[d
     minimum CPU ms of one step's calls of that kind per way."""
     kinds: dict[str, list[Call]] = {}
     for c in calls:  # args: pf, pi, kind, short, keys, counter, rot
-        kinds.setdefault(("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else ""),
-                         []).append(c)  # fmt: skip
+        kind = ("sr" if c[2][4] is not None else "rn") + (" rotated" if c[2][6] is not None else "")
+        kinds.setdefault(kind + ("" if c[1].shape[2] == 1 else ", B > 1"), []).append(c)
     direct: dict[str, int] = {}
     rows = []
     for kind, group in kinds.items():
@@ -114,11 +115,12 @@ def main(argv: list[str] | None = None) -> None:
            "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side")
 
 
-def report(args: argparse.Namespace, info: dict[str, Any], ways: dict[str, str], title: str, method: str = "") -> None:
-    """``side_by_side`` on one recorded step's calls, the two ``ways`` (before, after), written as
-    ``args.name``.json and .md under ``args.out`` with ``title``, and printed."""
+def report(args: argparse.Namespace, info: dict[str, Any], ways: dict[str, str], title: str, method: str = "",
+           every_b: bool = False) -> None:
+    """``side_by_side`` on one recorded step's calls (``record(every_b)``), the two ``ways`` (before,
+    after), written as ``args.name``.json and .md under ``args.out`` with ``title``, and printed."""
     before, after = ways
-    rows = side_by_side(record(), ways, args.rounds)
+    rows = side_by_side(record(every_b), ways, args.rounds)
     for row in rows:
         row[f"{after}_vs_{before}"] = round(row["ms_cpu"][after] / row["ms_cpu"][before], 3)
     result = {"info": info | {"load_average_end": load_averages()}, "rounds": args.rounds, "rows": rows}

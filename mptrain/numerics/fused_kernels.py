@@ -246,7 +246,7 @@ def _tree_amax(blocks: Tensor) -> Tensor:
     reduces each vector across its lanes, every step with a NaN check (vcmpunordps and a blend); the
     integer tree compiles to plain max instructions. An NVFP4 (147, 8192) call took 0.79x as long on
     an AVX-512 CPU. (An integer ``amax`` instead reduced each vector through memory: 18x as long.
-    MX's 32-element blocks gained nothing, so they keep the float amax.)"""
+    MX's 32-element blocks gained nothing, and its stochastic calls lost 6%: MX keeps the float amax.)"""
     v = blocks.view(torch.int32) & 0x7FFFFFFF
     m = [v.narrow(2, i, 1) for i in range(v.shape[2])]
     while len(m) > 1:
@@ -300,8 +300,9 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     rows, nb, k = (a * (n // bs), 1, bs) if flat else (a, 1, n) if short else (a, n // bs, bs)
     blocks = xf.view(rows, nb, k, b)
     bits = bits and x3.device.type == "cpu"
-    tree = bits and kind == "nvfp4" and b == 1 and not short
-    amax = _tree_amax(blocks) if tree else blocks.abs().amax(2, keepdim=True)
+    # (flat: NVFP4's B = 1 blocks on a CPU. Per row, wgrad's stochastic rotated calls took 1.04x as
+    # long with the tree, in scripts/amax_bits_bench.py's replay.)
+    amax = _tree_amax(blocks) if bits and flat else blocks.abs().amax(2, keepdim=True)
     t_amax, t_scale = _tensor_scale(blocks, kind, bits)
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
     u = None
