@@ -740,3 +740,71 @@ def test_the_flat_blocks_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in flat_phrases() if p not in text]
     assert not missing, missing
+
+
+BITS_RUNS = (("a19faf2", "r1"), ("1cd9006", "r1"), ("a19faf2", "r2"), ("1cd9006", "r2"))
+PROFILES = Path(__file__).resolve().parents[1] / "docs/benchmarks/profiles"
+
+
+def _per_step(text: str, fn: str, line: str = "", callee: str = "") -> float:
+    """A py-spy summary's figure: ``fn``'s ms a step at ``line -> callee``, or its total (no line)."""
+    block = text.split(f"\n{fn}: ", 1)[1].split("\n")
+    if not line:
+        return float(block[0].split("= ")[1].split(" ms")[0])
+    return float(next(r.split()[0] for r in block[1:] if r.split()[2:5] == [line, "->", callee]))
+
+
+def _profiled(mode: str, ops: tuple[str, ...]) -> float:
+    """A torch.profiler table's CPU total of ``ops``, in ms a step (the table covers 20 steps)."""
+    text = (PROFILES / f"cpu-2026-11-29-avx512-resnet50-8-b32-{mode}-torch-profiler.txt").read_text()
+    unit = {"us": 1e-3, "ms": 1.0}
+    cells = [next(r.split()[4] for r in text.splitlines() if r.split()[:1] == [op]) for op in ops]  # CPU total
+    return sum(float(c[:-2]) * unit[c[-2:]] for c in cells) / 20
+
+
+def bits_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on NVFP4's amaxes from the bits: the replay's table, the four
+    ResNet-50/8 runs alternating between before and after, and the profiles' figures, as the prose gives them."""
+    replay = benchmark("cpu-2026-11-29-avx512-amax-bits-1cd9006")
+    out = [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['floats']:.2f} | "
+           f"{r['ms_cpu']['bits']:.2f} | {r['bits_vs_floats']:.2f}× |" for r in replay["rows"]]
+    floats, bits = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in ("floats", "bits"))
+    out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
+               f"{sum(r['elements'] for r in replay['rows']):,} | {floats:.2f} | {bits:.2f} | {bits / floats:.2f}× |")
+    runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-bits-resnet-{c}-{i}")["rows"]}
+            for c, i in BITS_RUNS]
+    nv = "nvfp4"
+    out.append("| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |")
+    out.append(f"| {nv} | " + " | ".join(f"{r[nv]['vs_fp32_cpu']:.2f}× ({r[nv]['vs_fp32_cpu_paired']:.2f}×)"
+                                         for r in runs) + " |")  # fmt: skip
+    out.append(f"| {nv} quantizers | " + " | ".join(f"{r[nv]['gap']['quantizers_ms']:.1f} ms" for r in runs) + " |")
+    before, after = [r[nv]["vs_fp32_cpu"] for r in runs[0::2]], [r[nv]["vs_fp32_cpu"] for r in runs[1::2]]
+    assert max(before + after) <= FORMAT_TARGETS["resnet50/8", nv]  # "under 2× in all four runs"
+    assert max(after) < min(before)  # "each run after below both runs before"
+    fp32 = [r["fp32"]["step_ms_cpu"] for r in runs]
+    one_commit = [next(r["vs_fp32_cpu"] for r in benchmark(f"cpu-2026-11-29-avx512-flat-resnet-{c}-{i}")["rows"]
+                       if r["mode"] == nv) for c, i in FLAT_RUNS[0::2]]  # fmt: skip
+    spy = (PROFILES / "cpu-2026-11-29-avx512-resnet50-8-b32-nvfp4-pyspy.txt").read_text()
+    gemms = {m: _profiled(m, ("aten::convolution_backward", "aten::mm")) for m in ("nvfp4", "fp32")}
+    out += [
+        f"NVFP4 measured {before[0]:.2f}× and {before[1]:.2f}× before, {after[0]:.2f}× and {after[1]:.2f}× after",
+        f"The replay saves {floats - bits:.2f} ms a step, about "
+        f"{(floats - bits) / statistics.mean(fp32):.3f} of a ratio",
+        f"earlier runs of one commit spread over {max(one_commit) - min(one_commit):.2f}",
+        f"(`_quantize_blocks`) took {_per_step(spy, '_quantize_blocks'):.2f} ms a step under it",
+        f"Of that, {_per_step(spy, '_Fast.__call__', '504', 'Runner.call'):.2f} ms ran inside inductor's "
+        "generated code",
+        f"py-spy charges wgrad's im2col columns {_per_step(spy, '_conv_bwd', '307', 'wgrad_columns'):.2f} ms",
+        f"operand {_per_step(spy, '_conv_bwd', '306', '<self>'):.2f} ms, and the GEMM outputs' tensor-scale "
+        f"products {_per_step(spy, '_scale_'):.2f} ms",
+        f"`mm` took {gemms['nvfp4']:.2f} ms a step, against {gemms['fp32']:.2f} ms for FP32's",
+        f"a step makes {sum(r['calls'] for r in replay['rows'] if r['kind'].startswith('sr'))} stochastic block "
+        "calls (the replay)",
+    ]
+    return out
+
+
+def test_the_amax_bits_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in bits_phrases() if p not in text]
+    assert not missing, missing
