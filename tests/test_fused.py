@@ -337,8 +337,9 @@ def test_a_block_kernel_writes_its_result_once(name: str, shape: tuple[int, ...]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
     allocated = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
-    # the result, and per block its scales (1/16 of x for NVFP4's blocks of 16, two of them)
-    assert x.numel() * 4 <= allocated < 1.25 * x.numel() * 4
+    # the result, and per-block buffers of 1/16 of x (NVFP4's blocks of 16): its two kept scales, the
+    # amax, and on torch 2.11 one more beside the integer tensor amax. A second result would be 2x.
+    assert x.numel() * 4 <= allocated < 1.5 * x.numel() * 4
 
 
 @pytest.mark.kernels("blocks")
