@@ -286,9 +286,10 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # remainder loop. As one run of A * N / bs blocks, they fill vectors: an NVFP4 (2048, 64) call
     # took 110 against 190 us on an AVX-512 CPU. Replayed side by side (scripts/flat_blocks_bench.py),
     # one ResNet-50/8 step's calls to nearest took 0.74x as long flat, stochastic ones 0.93x, rotated
-    # ones 0.93x, but stochastic and rotated ones 1.05x: those stay per row. (MX's inlined scales gain
-    # nothing, and its stochastic rounding took 1.7 to 1.9 times as long flat.)
-    flat = flat and keep and b == 1 and not short and (keys is None or rot is None)
+    # ones 0.93x. Stochastic and rotated ones took 1.05x, until the integer amax below (flat only) made
+    # them faster flat as well. (MX's inlined scales gain nothing, and its stochastic rounding took
+    # 1.7 to 1.9 times as long flat.)
+    flat = flat and keep and b == 1 and not short
     if rot is not None:
         k = rot.shape[1]
         # flat blocks rotated as they are: rotated in the (A, N / 16, 16, 1) view and viewed flat
@@ -301,7 +302,7 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     blocks = xf.view(rows, nb, k, b)
     bits = bits and x3.device.type == "cpu"
     # (flat: NVFP4's B = 1 blocks on a CPU. Per row, wgrad's stochastic rotated calls took 1.04x as
-    # long with the tree, in scripts/amax_bits_bench.py's replay.)
+    # long with the tree, in scripts/amax_bits_bench.py's replay; flat, they now take less time.)
     amax = _tree_amax(blocks) if bits and flat else blocks.abs().amax(2, keepdim=True)
     t_amax, t_scale = _tensor_scale(blocks, kind, bits)
     mult, local_scale = _block_scales(amax, t_amax, pi, kind)
