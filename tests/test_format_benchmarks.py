@@ -771,6 +771,11 @@ def bits_phrases() -> list[str]:
     floats, bits = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in ("floats", "bits"))
     out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
                f"{sum(r['elements'] for r in replay['rows']):,} | {floats:.2f} | {bits:.2f} | {bits / floats:.2f}× |")
+    flat = benchmark("cpu-2026-11-29-avx512-flat-blocks-5e55034")
+    out += [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['rows']:.2f} | "
+            f"{r['ms_cpu']['flat']:.2f} | {r['flat_vs_rows']:.2f}× |" for r in flat["rows"]]
+    sr_rotated = next(r for r in flat["rows"] if r["kind"] == "sr rotated")
+    assert sr_rotated["ms_cpu"]["flat"] < sr_rotated["ms_cpu"]["rows"]  # "they took less time than per row"
     runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-bits-resnet-{c}-{i}")["rows"]}
             for c, i in BITS_RUNS]
     nv = "nvfp4"
