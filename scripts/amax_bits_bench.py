@@ -21,37 +21,14 @@ CPU time of all that kind's calls of one step. Freed host memory is kept, as a r
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-from typing import Any
-
 import kept_scales_bench  # the script beside this one (its directory leads sys.path)
-import torch
-
-from mptrain.bench.common import cpu_script_stamp
-from mptrain.memory import keep_freed_host_memory
-from mptrain.numerics import compiled_calls, fused_kernels
-
-
-def _floats(x3: torch.Tensor, pf: torch.Tensor, pi: torch.Tensor, kind: str, short: bool, keys: torch.Tensor | None,
-            counter: torch.Tensor | None, rot: torch.Tensor | None = None) -> tuple[Any, ...]:
-    # The body's own parameter names, as in flat_blocks_bench.py: a direct call maps inputs by them.
-    return fused_kernels._k_blocks(x3, pf, pi, kind, short, keys, counter, rot, bits=False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    ap.add_argument("--name", default="cpu-amax-bits")
-    args = ap.parse_args(argv)
-    info = cpu_script_stamp("amax_bits_bench.py", argv)
-    info["host_memory"] = keep_freed_host_memory()
-    compiled_calls._BODIES["blocks_floats"] = _floats
-    compiled_calls._PURE = compiled_calls._PURE | {"blocks_floats"}
-    kept_scales_bench.report(args, info, {"floats": "blocks_floats", "bits": "blocks"},
-                             "NVFP4's amaxes as floats or from the bits: one ResNet-50/8 step's block calls, "
-                             "side by side", f"; host memory: {info['host_memory']}", every_b=True)
+    before = ("floats", kept_scales_bench.blocks_with(bits=False))
+    kept_scales_bench.compare(argv, "amax_bits_bench.py", __doc__, "cpu-amax-bits", before, "bits",
+                              "NVFP4's amaxes as floats or from the bits: one ResNet-50/8 step's block calls, "
+                              "side by side", every_b=True)
 
 
 if __name__ == "__main__":

@@ -23,38 +23,14 @@ that kind's calls of one step. Freed host memory is kept, as a run keeps it (``t
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-from typing import Any
-
 import kept_scales_bench  # the script beside this one (its directory leads sys.path)
-import torch
-
-from mptrain.bench.common import cpu_script_stamp
-from mptrain.memory import keep_freed_host_memory
-from mptrain.numerics import compiled_calls, fused_kernels
-
-
-def _rows(x3: torch.Tensor, pf: torch.Tensor, pi: torch.Tensor, kind: str, short: bool, keys: torch.Tensor | None,
-          counter: torch.Tensor | None, rot: torch.Tensor | None = None) -> tuple[Any, ...]:
-    # The body's own parameter names: a direct call (compiled_calls._Direct) maps the graph's inputs
-    # by them, and without one every call would pay dynamo's ~25 us and make the comparison unfair.
-    return fused_kernels._k_blocks(x3, pf, pi, kind, short, keys, counter, rot, flat=False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    ap.add_argument("--name", default="cpu-flat-blocks")
-    args = ap.parse_args(argv)
-    info = cpu_script_stamp("flat_blocks_bench.py", argv)
-    info["host_memory"] = keep_freed_host_memory()
-    compiled_calls._BODIES["blocks_rows"] = _rows
-    compiled_calls._PURE = compiled_calls._PURE | {"blocks_rows"}
-    kept_scales_bench.report(args, info, {"rows": "blocks_rows", "flat": "blocks"},
-                             "NVFP4's B = 1 blocks per row or as one run: one ResNet-50/8 step's B = 1 block calls, "
-                             "side by side", f"; host memory: {info['host_memory']}")
+    before = ("rows", kept_scales_bench.blocks_with(flat=False))
+    kept_scales_bench.compare(argv, "flat_blocks_bench.py", __doc__, "cpu-flat-blocks", before, "flat",
+                              "NVFP4's B = 1 blocks per row or as one run: one ResNet-50/8 step's B = 1 block "
+                              "calls, side by side")
 
 
 if __name__ == "__main__":

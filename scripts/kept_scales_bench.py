@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import bench_formats  # the script beside this one (its directory leads sys.path
 import torch
 
 from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
+from mptrain.memory import keep_freed_host_memory
 from mptrain.numerics import compiled_calls, fused, fused_kernels, rounding_rng
 
 Call = tuple[str, torch.Tensor, tuple[Any, ...]]
@@ -103,16 +105,43 @@ def side_by_side(calls: list[Call], ways: dict[str, str], rounds: int) -> list[d
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    compare(argv, "kept_scales_bench.py", __doc__, "cpu-kept-scales", ("inlined", _inlined), "kept",
+            "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side",
+            keep_memory=False)
+
+
+def blocks_with(**fixed: Any) -> Callable[..., tuple[Any, ...]]:
+    """The library's block-kernel body with some of its options ``fixed`` (``flat=False``, ...), under
+    the body's own parameter names: a direct call (compiled_calls._Direct) maps the graph's inputs by
+    them, and without one every call would pay dynamo's ~25 us and make the comparison unfair."""
+
+    def body(x3: torch.Tensor, pf: torch.Tensor, pi: torch.Tensor, kind: str, short: bool,
+             keys: torch.Tensor | None, counter: torch.Tensor | None, rot: torch.Tensor | None = None) -> Any:
+        return fused_kernels._k_blocks(x3, pf, pi, kind, short, keys, counter, rot, **fixed)
+
+    return body
+
+
+def compare(argv: list[str] | None, script: str, doc: str | None, default_name: str,
+            before: tuple[str, Callable[..., tuple[Any, ...]]], after: str, title: str, every_b: bool = False,
+            keep_memory: bool = True) -> None:
+    """A side-by-side script's main: ``before`` (its way's name, and a block-kernel body with the
+    library body's parameter names) against the library's kernel (way ``after``) on one recorded
+    step's calls; ``keep_memory``: freed host memory kept, as a run keeps it."""
+    ap = argparse.ArgumentParser(description=(doc or script).splitlines()[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    ap.add_argument("--name", default="cpu-kept-scales")
+    ap.add_argument("--name", default=default_name)
     args = ap.parse_args(argv)
-    info = cpu_script_stamp("kept_scales_bench.py", argv)
-    compiled_calls._BODIES["blocks_inlined"] = _inlined
-    compiled_calls._PURE = compiled_calls._PURE | {"blocks_inlined"}
-    report(args, info, {"inlined": "blocks_inlined", "kept": "blocks"},
-           "NVFP4's per-block scales kept or inlined: one ResNet-50/8 step's B = 1 block calls, side by side")
+    info = cpu_script_stamp(script, argv)
+    method = ""
+    if keep_memory:
+        info["host_memory"] = keep_freed_host_memory()
+        method = f"; host memory: {info['host_memory']}"
+    way, body = before
+    compiled_calls._BODIES[f"blocks_{way}"] = body
+    compiled_calls._PURE = compiled_calls._PURE | {f"blocks_{way}"}
+    report(args, info, {way: f"blocks_{way}", after: "blocks"}, title, method, every_b)
 
 
 def report(args: argparse.Namespace, info: dict[str, Any], ways: dict[str, str], title: str, method: str = "",

@@ -705,22 +705,39 @@ FLAT_RUNS = (("4f466fd", "r1"), ("75af21a", "r1"), ("4f466fd", "r2"), ("75af21a"
              ("4f466fd", "r3"), ("1f26e57", "r1"), ("4f466fd", "r4"), ("1f26e57", "r2"))  # fmt: skip
 
 
+def _replay_table(replay: dict[str, Any], before: str, after: str,
+                  total: bool = True) -> tuple[list[str], float, float]:
+    """A side-by-side replay's table rows as the prose prints them (with an "all" row if ``total``),
+    and the two ways' ms a step summed over its kinds of call."""
+    out = [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu'][before]:.2f} | "
+           f"{r['ms_cpu'][after]:.2f} | {r[f'{after}_vs_{before}']:.2f}× |" for r in replay["rows"]]
+    b, a = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in (before, after))
+    if total:
+        out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
+                   f"{sum(r['elements'] for r in replay['rows']):,} | {b:.2f} | {a:.2f} | {a / b:.2f}× |")
+    return out, b, a
+
+
+def _nvfp4_rows(runs: list[dict[str, Any]]) -> list[str]:
+    """Alternating ResNet-50/8 runs as the prose's table gives them: FP32's step, NVFP4's ratios (paired
+    in brackets) and NVFP4's quantizer time."""
+    nv = "nvfp4"
+    return [
+        "| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |",
+        f"| {nv} | "
+        + " | ".join(f"{r[nv]['vs_fp32_cpu']:.2f}× ({r[nv]['vs_fp32_cpu_paired']:.2f}×)" for r in runs) + " |",
+        f"| {nv} quantizers | " + " | ".join(f"{r[nv]['gap']['quantizers_ms']:.1f} ms" for r in runs) + " |",
+    ]
+
+
 def flat_phrases() -> list[str]:
     """docs/benchmarks/README.md's section on NVFP4's B = 1 blocks as one run: the replay's table and
     the eight ResNet-50/8 runs alternating between before and after, with what the prose says of them."""
-    replay = benchmark("cpu-2026-11-29-avx512-flat-blocks-1f26e57")
-    out = [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['rows']:.2f} | "
-           f"{r['ms_cpu']['flat']:.2f} | {r['flat_vs_rows']:.2f}× |" for r in replay["rows"]]
-    rows, flat = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in ("rows", "flat"))
-    out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
-               f"{sum(r['elements'] for r in replay['rows']):,} | {rows:.2f} | {flat:.2f} | {flat / rows:.2f}× |")
+    out, rows, flat = _replay_table(benchmark("cpu-2026-11-29-avx512-flat-blocks-1f26e57"), "rows", "flat")
     runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-flat-resnet-{c}-{i}")["rows"]}
             for c, i in FLAT_RUNS]
     nv = "nvfp4"
-    out.append("| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |")
-    out.append(f"| {nv} | " + " | ".join(f"{r[nv]['vs_fp32_cpu']:.2f}× ({r[nv]['vs_fp32_cpu_paired']:.2f}×)"
-                                         for r in runs) + " |")  # fmt: skip
-    out.append(f"| {nv} quantizers | " + " | ".join(f"{r[nv]['gap']['quantizers_ms']:.1f} ms" for r in runs) + " |")
+    out += _nvfp4_rows(runs)
     before = [r[nv]["vs_fp32_cpu"] for r in runs[0::2]]
     first, final = [r[nv]["vs_fp32_cpu"] for r in runs[1:4:2]], [r[nv]["vs_fp32_cpu"] for r in runs[5::2]]
     assert max(final) <= FORMAT_TARGETS["resnet50/8", nv] < max(before)  # "at most 2× after, over 2× before"
@@ -766,23 +783,15 @@ def bits_phrases() -> list[str]:
     """docs/benchmarks/README.md's section on NVFP4's amaxes from the bits: the replay's table, the four
     ResNet-50/8 runs alternating between before and after, and the profiles' figures, as the prose gives them."""
     replay = benchmark("cpu-2026-11-29-avx512-amax-bits-1cd9006")
-    out = [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['floats']:.2f} | "
-           f"{r['ms_cpu']['bits']:.2f} | {r['bits_vs_floats']:.2f}× |" for r in replay["rows"]]
-    floats, bits = (sum(r["ms_cpu"][w] for r in replay["rows"]) for w in ("floats", "bits"))
-    out.append(f"| all | {sum(r['calls'] for r in replay['rows'])} | "
-               f"{sum(r['elements'] for r in replay['rows']):,} | {floats:.2f} | {bits:.2f} | {bits / floats:.2f}× |")
+    out, floats, bits = _replay_table(replay, "floats", "bits")
     flat = benchmark("cpu-2026-11-29-avx512-flat-blocks-5e55034")
-    out += [f"| {r['kind']} | {r['calls']} | {r['elements']:,} | {r['ms_cpu']['rows']:.2f} | "
-            f"{r['ms_cpu']['flat']:.2f} | {r['flat_vs_rows']:.2f}× |" for r in flat["rows"]]
+    out += _replay_table(flat, "rows", "flat", total=False)[0]
     sr_rotated = next(r for r in flat["rows"] if r["kind"] == "sr rotated")
     assert sr_rotated["ms_cpu"]["flat"] < sr_rotated["ms_cpu"]["rows"]  # "they took less time than per row"
     runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-bits-resnet-{c}-{i}")["rows"]}
             for c, i in BITS_RUNS]
     nv = "nvfp4"
-    out.append("| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |")
-    out.append(f"| {nv} | " + " | ".join(f"{r[nv]['vs_fp32_cpu']:.2f}× ({r[nv]['vs_fp32_cpu_paired']:.2f}×)"
-                                         for r in runs) + " |")  # fmt: skip
-    out.append(f"| {nv} quantizers | " + " | ".join(f"{r[nv]['gap']['quantizers_ms']:.1f} ms" for r in runs) + " |")
+    out += _nvfp4_rows(runs)
     before, after = [r[nv]["vs_fp32_cpu"] for r in runs[0::2]], [r[nv]["vs_fp32_cpu"] for r in runs[1::2]]
     assert max(before + after) <= FORMAT_TARGETS["resnet50/8", nv]  # "under 2× in all four runs"
     assert max(after) < min(before)  # "each run after below both runs before"
