@@ -144,6 +144,18 @@ def _k_bf16_(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
     p.copy_(torch.where(torch.isfinite(m), rounded, m).to(torch.bfloat16))
 
 
+def _magnitude_max(xf: Tensor, dim: int | None, bits: bool) -> Tensor:
+    """``xf.abs().amax()``, or along ``dim`` (kept). ``bits`` (a CPU's): from the elements' bits less
+    the sign, as integers (``_tree_amax`` says why): the same value, or a NaN where ``xf`` holds one,
+    which ``_pow2_scale`` treats as the float NaN. On an AVX-512 CPU (scratch) FP8's per-tensor calls
+    to nearest took 0.76x to 0.86x as long, stochastic ones 0.93x to 0.96x; row-wise calls to nearest
+    along an NCHW activation's channels 0.84x to 0.90x, along the rows of a (512, 1024) matrix the same."""
+    if not bits:
+        return xf.abs().amax() if dim is None else xf.abs().amax(dim, keepdim=True)
+    v = xf.view(torch.int32) & 0x7FFFFFFF
+    return (v.amax() if dim is None else v.amax(dim, keepdim=True)).view(torch.float32)
+
+
 def _pow2_scale(amax: Tensor, pf: Tensor, pi: Tensor) -> Tensor:
     """2**k, the largest power of two with amax * 2**k <= max (k in [-126, 126]); 1 for a zero or
     non-finite amax: ``fp8.tensor_scale`` and ``qgemm.axiswise_round``'s rule, from the bits."""
@@ -159,7 +171,7 @@ def _k_scaled(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: T
     """``fp8.quantize_scaled`` on a flat tensor: a per-tensor power-of-two scale, round, scale back;
     non-finite values pass through. Returns x's dtype."""
     xf = x.float()
-    s = _pow2_scale(xf.abs().amax(), pf, pi)
+    s = _pow2_scale(_magnitude_max(xf, None, xf.device.type == "cpu"), pf, pi)
     u = _uniform(xf.shape[0], xf.device, keys, counter) if keys is not None else None
     q = _round(xf * s, pf, pi, u) / s
     return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
@@ -173,7 +185,9 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, order: str, keys: Tensor | None,
     layout the kernel reads. The strides are worked out here from the sizes: passed in as ints,
     dynamo specialised them on the first call and compiled again on the first other layout."""
     xf = x3.float()
-    s = _pow2_scale(xf.abs().amax(2 if last else 1, keepdim=True), pf, pi)
+    # (floats along the contiguous dim, ``last``: there an integer amax reduces across lanes through
+    # memory once a row, which ``_tree_amax`` measured 18x as slow once a 16-element block; not tried)
+    s = _pow2_scale(_magnitude_max(xf, 2 if last else 1, xf.device.type == "cpu" and not last), pf, pi)
     u = None
     if keys is not None:
         a, m, k = xf.shape
