@@ -144,16 +144,15 @@ def _k_bf16_(p: Tensor, m: Tensor, keys: Tensor, counter: Tensor) -> None:
     p.copy_(torch.where(torch.isfinite(m), rounded, m).to(torch.bfloat16))
 
 
-def _magnitude_max(xf: Tensor, dim: int | None, bits: bool) -> Tensor:
-    """``xf.abs().amax()``, or along ``dim`` (kept). ``bits`` (a CPU's): from the elements' bits less
-    the sign, as integers (``_tree_amax`` says why): the same value, or a NaN where ``xf`` holds one,
-    which ``_pow2_scale`` treats as the float NaN. On an AVX-512 CPU (scratch) FP8's per-tensor calls
-    to nearest took 0.76x to 0.86x as long, stochastic ones 0.93x to 0.96x; row-wise calls to nearest
-    along an NCHW activation's channels 0.84x to 0.90x, along the rows of a (512, 1024) matrix the same."""
+def _magnitude_max(xf: Tensor, bits: bool) -> Tensor:
+    """``xf.abs().amax()``. ``bits`` (a CPU's): from the elements' bits less the sign, as integers
+    (``_tree_amax`` says why): the same value, or a NaN where ``xf`` holds one, which ``_pow2_scale``
+    treats as the float NaN. On an AVX-512 CPU (scratch) FP8's per-tensor calls to nearest took 0.76x
+    to 0.86x as long, stochastic ones 0.93x to 0.96x; a ResNet-50/8 step's per-tensor FP8 quantizers
+    took 0.3 to 0.7 ms less (docs/benchmarks, 52ce4e7)."""
     if not bits:
-        return xf.abs().amax() if dim is None else xf.abs().amax(dim, keepdim=True)
-    v = xf.view(torch.int32) & 0x7FFFFFFF
-    return (v.amax() if dim is None else v.amax(dim, keepdim=True)).view(torch.float32)
+        return xf.abs().amax()
+    return (xf.view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
 
 
 def _pow2_scale(amax: Tensor, pf: Tensor, pi: Tensor) -> Tensor:
@@ -171,7 +170,7 @@ def _k_scaled(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: T
     """``fp8.quantize_scaled`` on a flat tensor: a per-tensor power-of-two scale, round, scale back;
     non-finite values pass through. Returns x's dtype."""
     xf = x.float()
-    s = _pow2_scale(_magnitude_max(xf, None, xf.device.type == "cpu"), pf, pi)
+    s = _pow2_scale(_magnitude_max(xf, xf.device.type == "cpu"), pf, pi)
     u = _uniform(xf.shape[0], xf.device, keys, counter) if keys is not None else None
     q = _round(xf * s, pf, pi, u) / s
     return torch.where(torch.isfinite(xf), q, xf).to(x.dtype)
@@ -185,9 +184,10 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, order: str, keys: Tensor | None,
     layout the kernel reads. The strides are worked out here from the sizes: passed in as ints,
     dynamo specialised them on the first call and compiled again on the first other layout."""
     xf = x3.float()
-    # (floats along the contiguous dim, ``last``: there an integer amax reduces across lanes through
-    # memory once a row, which ``_tree_amax`` measured 18x as slow once a 16-element block; not tried)
-    s = _pow2_scale(_magnitude_max(xf, 2 if last else 1, xf.device.type == "cpu" and not last), pf, pi)
+    # Floats, not the bits (``_magnitude_max``): with the bits along a strided dim, row-wise FP8's
+    # quantizers took 0.4 ms longer a ResNet-50/8 step, the step 1.95x and 1.97x FP32 against 1.90x
+    # and 1.90x (docs/benchmarks, 52ce4e7), though scratch calls on NCHW activations were faster.
+    s = _pow2_scale(xf.abs().amax(2 if last else 1, keepdim=True), pf, pi)
     u = None
     if keys is not None:
         a, m, k = xf.shape
