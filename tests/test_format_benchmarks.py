@@ -822,3 +822,42 @@ def test_the_amax_bits_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in bits_phrases() if p not in text]
     assert not missing, missing
+
+
+FP8_BITS_RUNS = (("35c652c", "r1"), ("52ce4e7", "r1"), ("35c652c", "r2"), ("52ce4e7", "r2"))
+
+
+def fp8_bits_phrases() -> list[str]:
+    """The same section's four runs for FP8's amaxes from the bits: its table, and what the prose says."""
+    runs = [{r["mode"]: r for r in benchmark(f"cpu-2026-11-29-avx512-fp8bits-resnet-{c}-{i}")["rows"]}
+            for c, i in FP8_BITS_RUNS]
+    modes = ("fp8 hybrid", "fp8 hybrid tensor", "fp8 hybrid rowwise", "nvfp4")
+    out = ["| fp32 | " + " | ".join(f"{r['fp32']['step_ms_cpu']:.1f} ms" for r in runs) + " |"]
+    out += [f"| {m} | " + " | ".join(f"{r[m]['vs_fp32_cpu']:.2f}×, {r[m]['gap']['quantizers_ms']:.1f} ms" for r in runs)
+            + " |" for m in modes]  # fmt: skip
+
+    def saved(mode: str) -> list[float]:  # quantizer ms a step, before minus after, per pair
+        q = [r[mode]["gap"]["quantizers_ms"] for r in runs]
+        return [round(q[0] - q[1], 1), round(q[2] - q[3], 1)]
+
+    per_tensor = saved("fp8 hybrid") + saved("fp8 hybrid tensor")
+    assert min(per_tensor) > 0  # "less a step in each pair"
+    rowwise = [-d for d in saved("fp8 hybrid rowwise")]
+    assert min(rowwise) > 0  # "more a step in both pairs"
+    nv = [r["nvfp4"]["vs_fp32_cpu"] for r in runs]
+    row = [r["fp8 hybrid rowwise"]["vs_fp32_cpu"] for r in runs]
+    out += [
+        f"quantizers took {min(per_tensor):.1f} to {max(per_tensor):.1f} ms less a step in each pair",
+        f"moved by up to {max(nv) - min(nv):.2f} between runs",
+        f"quantizers took {min(rowwise):.1f} to {max(rowwise):.1f} ms more a step in both pairs, and its step "
+        f"{row[1]:.2f}× and "
+        f"{row[3]:.2f}× against {row[0]:.2f}× and {row[2]:.2f}×",
+        f"both after 5e55034): {min(nv):.2f}× to {max(nv):.2f}×",
+    ]
+    return out
+
+
+def test_the_fp8_amax_bits_runs_in_prose_are_their_data() -> None:
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in fp8_bits_phrases() if p not in text]
+    assert not missing, missing

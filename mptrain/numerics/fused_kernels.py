@@ -149,7 +149,7 @@ def _magnitude_max(xf: Tensor, bits: bool) -> Tensor:
     (``_tree_amax`` says why): the same value, or a NaN where ``xf`` holds one, which ``_pow2_scale``
     treats as the float NaN. On an AVX-512 CPU (scratch) FP8's per-tensor calls to nearest took 0.76x
     to 0.86x as long, stochastic ones 0.93x to 0.96x; a ResNet-50/8 step's per-tensor FP8 quantizers
-    took 0.3 to 0.7 ms less (docs/benchmarks, 52ce4e7)."""
+    took 0.4 to 0.7 ms less (docs/benchmarks, 52ce4e7)."""
     if not bits:
         return xf.abs().amax()
     return (xf.view(torch.int32) & 0x7FFFFFFF).amax().view(torch.float32)
@@ -185,7 +185,7 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, order: str, keys: Tensor | None,
     dynamo specialised them on the first call and compiled again on the first other layout."""
     xf = x3.float()
     # Floats, not the bits (``_magnitude_max``): with the bits along a strided dim, row-wise FP8's
-    # quantizers took 0.4 ms longer a ResNet-50/8 step, the step 1.95x and 1.97x FP32 against 1.90x
+    # quantizers took 0.4-0.5 ms longer a ResNet-50/8 step, the step 1.95x and 1.97x FP32 against 1.90x
     # and 1.90x (docs/benchmarks, 52ce4e7), though scratch calls on NCHW activations were faster.
     s = _pow2_scale(xf.abs().amax(2 if last else 1, keepdim=True), pf, pi)
     u = None
