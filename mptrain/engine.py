@@ -211,6 +211,8 @@ class Engine:
         module = scaler.attach(module)
         if cfg.trainer.compile:
             compiled_calls.remember_isa_checks()
+            if self.device.type == "cpu":
+                compiled_calls.pin_cpu_vector_isa()
             module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
         if self.sharding is not None:
             # Each rank checks only its shards for Inf/NaN: the flag is all-reduced (max) so that all skip.

@@ -360,3 +360,29 @@ def test_peak_memory_is_trainings_and_evaluation_is_apart(tmp_path, monkeypatch)
     engine.fit()
     s = engine.summary("completed", 0.0)
     assert s["peak_memory_bytes"] == 100 and s["eval_peak_memory_bytes"] == 1000
+
+
+def test_the_engine_pins_inductors_vector_isa_before_it_compiles_a_model_on_a_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trainer.compile on a CPU: the vector ISA goes into inductor's cache keys first (the reason:
+    tests/test_fused.py, test_code_compiled_for_one_vector_isa_is_not_loaded_for_another). The
+    compile itself is not run here: what it is handed is."""
+    from torch import nn
+    from torch._inductor import config as inductor_config
+
+    from mptrain.cli import compose
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+    from mptrain.numerics import compiled_calls
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: seen.append(inductor_config.cpp.simdlen))
+    cfg = compose([*tiny("resnet50", "trainer.compile=true"), "trainer.device=cpu"])
+    validate(cfg)
+    # the option unset, as in a new process, and set back after (monkeypatch.setattr on inductor's
+    # config proxy broke the config for the rest of the process on torch 2.11)
+    with inductor_config.patch({"cpp.simdlen": None}):
+        picked = compiled_calls.cpu_vector_bits()
+        Engine(cfg, tmp_path)
+    assert seen == [picked]

@@ -407,6 +407,41 @@ def test_the_cpu_isa_check_loads_its_library_in_a_child_once_not_in_every_proces
     assert not isa.check_build(code + "\n#error not this time\n") and children
 
 
+# One process of test_code_compiled_for_one_vector_isa_is_not_loaded_for_another: the fused
+# quantizers' status (their probe, on the kernels' own backend), then a plain torch.compile as
+# trainer.compile runs it, the ISA pinned as the engine pins it.
+_ISA_CHILD = """
+import torch
+from mptrain.numerics import compiled_calls, fused
+torch.set_num_threads(1)
+status = fused.status("cpu")
+compiled_calls.pin_cpu_vector_isa()
+def f(x):
+    return torch.where(x.abs() > 1, x * 3 + 1, x - 2)
+x = torch.linspace(-3, 3, 64)
+print(status.split()[0], torch.equal(torch.compile(f, dynamic=True)(x), f(x)))
+"""
+
+
+def test_code_compiled_for_one_vector_isa_is_not_loaded_for_another(tmp_path: Any) -> None:
+    """Inductor's FX graph cache key lacks the vector ISA its code is written for. Compiled on an
+    AVX-512 CPU and loaded in a process capped with ATEN_CPU_CAPABILITY=avx2 (the README's way to
+    see an AVX2-only CPU's path), from a shared cache dir, the code was built with AVX2's flags and
+    half of every vector came out wrong: the probe sent the quantizers to the reference, and a
+    compiled model computed wrong values (``compiled_calls.pin_cpu_vector_isa``)."""
+    import os
+    import subprocess
+    import sys
+
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("an AVX-512 CPU: two vector ISAs to compile for")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "MPTRAIN_FUSED": "1"}  # the cache: shared
+    for isa in ("avx512", "avx2"):
+        run = subprocess.run([sys.executable, "-c", _ISA_CHILD], env={**env, "ATEN_CPU_CAPABILITY": isa},
+                             capture_output=True, text=True, timeout=600)
+        assert run.stdout.split()[-2:] == ["fused", "True"], (isa, run.stdout, run.stderr[-3000:])
+
+
 @pytest.mark.kernels("blocks")
 def test_a_new_trace_of_a_block_kernel_loads_from_the_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a new process pays for a kernel an earlier one compiled: dynamo traces it again, and

@@ -93,6 +93,37 @@ def remember_isa_checks() -> None:
     cpu_vec_isa.VecISA.check_build = check_build
 
 
+def cpu_vector_bits() -> int:
+    """The vector width (bits; 0: scalar code) of the ISA inductor picks for CPU code in this process:
+    the one ``ATEN_CPU_CAPABILITY`` names, else the widest the CPU has."""
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.simdlen is not None:
+        return int(config.cpp.simdlen)
+    return cpu_vec_isa.pick_vec_isa().bit_width()
+
+
+def pin_cpu_vector_isa(patches: dict[str, Any] | None = None) -> None:
+    """Put the vector ISA inductor picks into its cache keys: ``cpp.simdlen`` in ``patches`` (a
+    backend's options), or in inductor's config (``trainer.compile``) where None.
+
+    Why: the ISA is not in inductor's FX graph cache key, though the code depends on it (a loop over
+    16 lanes on AVX-512, 8 on AVX2). A graph compiled under one ISA and loaded under another, in a
+    shared cache dir, is built with the other's compiler flags. Compiled on this AVX-512 CPU, then
+    loaded with ``ATEN_CPU_CAPABILITY=avx2`` (as the README suggests, to try an AVX2-only CPU's
+    path), lanes 8-15 of every 16 came out wrong on torch 2.11 and 2.14.1: the fused quantizers' probe
+    caught it and ran the 5-9x slower reference; a ``trainer.compile`` model would have trained on
+    wrong values. ``cpp.simdlen`` is in the key, and set to the width inductor would pick anyway it
+    picks the same ISA (the first of the CPU's of that width, as without it)."""
+    from torch._inductor import config
+
+    bits = cpu_vector_bits()
+    if patches is None:
+        config.cpp.simdlen = bits
+    else:
+        patches.setdefault("cpp.simdlen", bits)
+
+
 class _Unfused(Exception):
     """This call cannot run compiled (a torch.Generator, a kernel past dynamo's recompile limit)."""
 
@@ -108,6 +139,8 @@ class _Inductor(torch._TorchCompileInductorWrapper):  # type: ignore[misc, name-
         self.ran: int | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+        if any(isinstance(t, Tensor) and t.device.type == "cpu" for t in example_inputs):
+            pin_cpu_vector_isa(self.config)  # CPU code only: picking the ISA builds test libraries
         fn = super().__call__(gm, example_inputs, **kwargs)
         i = len(self.graphs)
         self.graphs.append((gm, fn))
