@@ -277,7 +277,9 @@ def _conv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe
     cd = recipe.compute_dtype
     xl, xs = recipe.quantizer(x, 1, "input")  # per pixel, along C_in
     wl, ws = _conv_weight(recipe, weight, "fprop")
-    y = F.conv2d(_as(xl.to(cd), x), _as(wl.to(cd), weight), None, stride, padding, dilation)
+    # dense once: with 2D tiles dgrad takes this same operand (a kxk filter's tiles are a permuted view)
+    wl = _as(wl.to(cd), weight)
+    y = F.conv2d(_as(xl.to(cd), x), wl, None, stride, padding, dilation)
     y = _scale_(y.float(), xs, ws)
     if bias is not None:
         y = y + bias.float().view(1, -1, 1, 1)
