@@ -907,3 +907,55 @@ def test_the_capped_avx2_runs_in_prose_are_their_data() -> None:
     text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
     missing = [p for p in capped_phrases() if p not in text]
     assert not missing, missing
+
+
+LATEST_RUNS = ("cpu-2026-11-29-avx512-formats-bdfab33", "cpu-2026-11-29-avx512-resnet-bdfab33")
+
+
+def latest_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on every target again at bdfab33: its table (the run, its
+    ResNet repeat, and 2ea7724's two beside them) and its figures."""
+    run, repeat = (keyed_rows(n) for n in LATEST_RUNS)
+    then, then_repeat = (keyed_rows(n) for n in AVX512_RUNS)
+
+    def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+    out = []
+    for key, limit in FORMAT_TARGETS.items():
+        now = [rows[key]["vs_fp32_cpu"] for rows in (run, repeat) if key in rows]
+        met = "yes" if all(v <= limit for v in now) else "no"
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(run, key)} | {cell(repeat, key)} | "
+                   f"{cell(then, key)} | {cell(then_repeat, key)} | {met} |")
+    assert all(row.endswith("| yes |") for row in out)  # "every target met in both runs"
+    vs = [v for r in run.values() for v in r.get("vs_torchao_cpu", {}).values()]
+    resnet = [v for rows in (run, repeat) for (m, mode), r in rows.items() if m == "resnet50/8" and mode != "fp32"
+              for v in [r["vs_fp32_cpu"]]]  # fmt: skip
+    small = [r["vs_fp32_cpu"] for (m, mode), r in run.items() if m == "resnet50/8 b2" and mode != "fp32"]
+    nv, row = ("resnet50/8", "nvfp4"), ("resnet50/8", "fp8 hybrid rowwise")
+    out += [
+        f"faster than torchao's emulated equivalent in the same run ({min(vs):.2f}× to {max(vs):.2f}× of "
+        f"torchao's step time)",
+        f"ResNet-50/8's seven modes measured {min(resnet):.2f}× to {max(resnet):.2f}× FP32 over the two runs",
+        f"NVFP4 {cell(run, nv)} and {cell(repeat, nv)} (2ea7724: {cell(then, nv)} and {cell(then_repeat, nv)})",
+        f"row-wise FP8 {cell(run, row)} and {cell(repeat, row)} (2ea7724: {cell(then, row)} and "
+        f"{cell(then_repeat, row)})",
+        f"FP32's ResNet-50/8 step took {run['resnet50/8', 'fp32']['step_ms_cpu']:.1f} ms and "
+        f"{repeat['resnet50/8', 'fp32']['step_ms_cpu']:.1f} ms",
+        f"at batch 2 (`resnet50/8 b2`, not a target cell) the emulated modes cost {min(small):.2f}× to "
+        f"{max(small):.2f}× FP32",
+    ]
+    return out
+
+
+def test_the_latest_runs_in_prose_are_their_data() -> None:
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs/benchmarks/README.md").read_text().split())
+    missing = [p for p in latest_phrases() if p not in text]
+    assert not missing, missing
+    run, repeat = (keyed_rows(n) for n in LATEST_RUNS)
+    resnet = [r["vs_fp32_cpu"] for rows in (run, repeat) for (m, mode), r in rows.items()
+              if m == "resnet50/8" and mode != "fp32"]  # fmt: skip
+    nv = [rows["resnet50/8", "nvfp4"]["vs_fp32_cpu"] for rows in (run, repeat)]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert f"(ResNet-50/8 {min(resnet):.2f}× to {max(resnet):.2f}× FP32, NVFP4 {nv[0]:.2f}× and {nv[1]:.2f}×)" in readme
