@@ -431,6 +431,13 @@ def test_the_kept_paths_runs_in_prose_are_their_data() -> None:
         assert phrase in text, phrase
 
 
+def assert_in_notes(phrases: list[str], notes: str = "docs/benchmarks/README.md") -> None:
+    """Every phrase is in the notes, their whitespace folded (Markdown reflows lines freely)."""
+    text = " ".join((Path(__file__).resolve().parents[1] / notes).read_text().split())
+    missing = [p for p in phrases if p not in text]
+    assert not missing, missing
+
+
 def benchmark(name: str) -> dict[str, Any]:
     """docs/benchmarks/NAME.json."""
     return json.loads((Path(__file__).resolve().parents[1] / f"docs/benchmarks/{name}.json").read_text())
@@ -486,9 +493,7 @@ def avx512_phrases() -> list[str]:
 
 
 def test_the_avx512_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in avx512_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(avx512_phrases())
 
 
 ALLOCATOR_RUNS = {"tcmalloc": "cpu-2026-11-28-avx512-resnet-tcmalloc-a0b8ebc",
@@ -595,9 +600,7 @@ def gather_phrases() -> list[str]:
 
 
 def test_the_gather_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in gather_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(gather_phrases())
 
 
 DGRAD_RUNS = tuple(f"cpu-2026-11-29-avx512-dgrad-resnet-{w}-r{i}" for i in (1, 2) for w in ("before", "after"))
@@ -651,9 +654,7 @@ def dgrad_phrases() -> list[str]:
 
 
 def test_the_dgrad_and_batch_2_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in dgrad_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(dgrad_phrases())
 
 
 START_RUNS = {"71cb5af, torch 2.11": ("cpu-2026-11-29-avx512-compile-start-71cb5af-torch2.11-r1",
@@ -694,9 +695,7 @@ def start_phrases() -> list[str]:
 
 
 def test_the_start_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in start_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(start_phrases())
 
 
 # In the order they ran: two alternating pairs at 75af21a (stochastic rotated blocks flat too), then
@@ -754,9 +753,7 @@ def flat_phrases() -> list[str]:
 
 
 def test_the_flat_blocks_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in flat_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(flat_phrases())
 
 
 BITS_RUNS = (("a19faf2", "r1"), ("1cd9006", "r1"), ("a19faf2", "r2"), ("1cd9006", "r2"))
@@ -819,9 +816,7 @@ def bits_phrases() -> list[str]:
 
 
 def test_the_amax_bits_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in bits_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(bits_phrases())
 
 
 FP8_BITS_RUNS = (("35c652c", "r1"), ("52ce4e7", "r1"), ("35c652c", "r2"), ("52ce4e7", "r2"))
@@ -858,9 +853,7 @@ def fp8_bits_phrases() -> list[str]:
 
 
 def test_the_fp8_amax_bits_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in fp8_bits_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(fp8_bits_phrases())
 
 
 CAPPED_RUNS = ("ed7ee59", "3936d8a")  # the reference's fallback, then the ISA in inductor's cache key
@@ -904,9 +897,7 @@ def capped_phrases() -> list[str]:
 
 
 def test_the_capped_avx2_runs_in_prose_are_their_data() -> None:
-    text = " ".join((Path(__file__).resolve().parents[1] / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in capped_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(capped_phrases())
 
 
 LATEST_RUNS = ("cpu-2026-11-29-avx512-formats-bdfab33", "cpu-2026-11-29-avx512-resnet-bdfab33")
@@ -949,13 +940,10 @@ def latest_phrases() -> list[str]:
 
 
 def test_the_latest_runs_in_prose_are_their_data() -> None:
-    root = Path(__file__).resolve().parents[1]
-    text = " ".join((root / "docs/benchmarks/README.md").read_text().split())
-    missing = [p for p in latest_phrases() if p not in text]
-    assert not missing, missing
+    assert_in_notes(latest_phrases())
     run, repeat = (keyed_rows(n) for n in LATEST_RUNS)
     resnet = [r["vs_fp32_cpu"] for rows in (run, repeat) for (m, mode), r in rows.items()
               if m == "resnet50/8" and mode != "fp32"]  # fmt: skip
     nv = [rows["resnet50/8", "nvfp4"]["vs_fp32_cpu"] for rows in (run, repeat)]
-    readme = " ".join((root / "README.md").read_text().split())
-    assert f"(ResNet-50/8 {min(resnet):.2f}× to {max(resnet):.2f}× FP32, NVFP4 {nv[0]:.2f}× and {nv[1]:.2f}×)" in readme
+    assert_in_notes([f"(ResNet-50/8 {min(resnet):.2f}× to {max(resnet):.2f}× FP32, NVFP4 {nv[0]:.2f}× and "
+                     f"{nv[1]:.2f}×)"], "README.md")
