@@ -113,8 +113,9 @@ def pin_cpu_vector_isa(patches: dict[str, Any] | None = None) -> None:
     loaded with ``ATEN_CPU_CAPABILITY=avx2`` (as the README suggests, to try an AVX2-only CPU's
     path), lanes 8-15 of every 16 came out wrong on torch 2.11 and 2.14.1: the fused quantizers' probe
     caught it and ran the 5-9x slower reference; a ``trainer.compile`` model would have trained on
-    wrong values. ``cpp.simdlen`` is in the key, and set to the width inductor would pick anyway it
-    picks the same ISA (the first of the CPU's of that width, as without it)."""
+    wrong values. ``cpp.simdlen`` is in the key. Set to the width inductor would pick anyway, it
+    picks the same ISA: the first of the CPU's ISAs of that width, as without it. (Entries cached
+    before this have no width in their key: the kernels compile once more, then load as before.)"""
     from torch._inductor import config
 
     bits = cpu_vector_bits()
