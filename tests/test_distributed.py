@@ -127,8 +127,13 @@ def test_each_rank_restores_its_own_rng_streams_on_fewer_or_more_ranks():
 
 # Rank 1 alone gets an Inf in its loss on its 3rd forward; every rank records its scaler's decision.
 SKIP_HOOK = """
+import faulthandler
 import os
 if os.environ.get("RANK") is not None and os.environ.get("MPTRAIN_TEST_SKIPS"):
+    # This launch hung once (min_torch CI lane, 2026-11-29) and never again in 100+ tries: a rank
+    # still alive after 240 s prints every thread's stack and exits, so a hang fails with its stack
+    # in the assertion's stderr, before the test's own 300 s limit kills torchrun without one.
+    faulthandler.dump_traceback_later(240, exit=True)
     import mptrain.numerics.loss_scaling as _ls
     import mptrain.tasks.classification as _cls
 
@@ -169,7 +174,7 @@ def test_ranks_make_the_same_skip_decision_under_amp_fp16(tmp_path):
          f"hydra.run.dir={run}"],
         capture_output=True, text=True, env=e, timeout=300,
     )
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-12000:]  # a hung rank's stacks (SKIP_HOOK) come before torchrun's report
     per_rank: dict[str, list[tuple[float, float]]] = {}
     for line in log.read_text().splitlines():
         rank, found_inf, scale = line.split()
