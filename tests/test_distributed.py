@@ -30,6 +30,17 @@ def env() -> dict[str, str]:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+def torchrun(args: list[str], e: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Two CPU ranks of ``python -m mptrain ARGS`` under torchrun. A launch past ``timeout`` fails with
+    what it printed (subprocess.run's TimeoutExpired alone does not show it)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain", *args]
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = [b.decode(errors="replace") if isinstance(b, bytes) else b or "" for b in (exc.stdout, exc.stderr)]
+        pytest.fail(f"torchrun ran past {timeout} s\n--- stdout\n{out[0][-4000:]}\n--- stderr\n{out[1][-12000:]}")
+
+
 # Loaded at interpreter start-up by every torchrun worker (a sitecustomize on PYTHONPATH): records
 # which rank calls checkpoint.save_atomic. Two ranks writing would write the same path, so counting
 # files could not tell; this can.
@@ -70,11 +81,7 @@ def test_two_gloo_ranks_match_one_process_with_the_same_global_batch(tmp_path):
     hook_env, writes = hooked_env(tmp_path)
     # init_scale=1: the per-layer scales do the lifting (with auto the output scale takes accum_cap).
     common = [*DIGITS, "loss_scale=adaptive", "loss_scale.init_scale=1"]
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
-         *common, "data.batch_size=8", f"hydra.run.dir={ddp}"],
-        capture_output=True, text=True, env=hook_env, timeout=300,
-    )
+    r = torchrun([*common, "data.batch_size=8", f"hydra.run.dir={ddp}"], hook_env)
     assert r.returncode == 0, r.stderr[-3000:]
     r = subprocess.run([sys.executable, "-m", "mptrain", *common, "data.batch_size=16", f"hydra.run.dir={single}"],
                        capture_output=True, text=True, env=env(), timeout=300)
@@ -167,13 +174,9 @@ def test_ranks_make_the_same_skip_decision_under_amp_fp16(tmp_path):
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook_dir), e.get("PYTHONPATH")) if p)
     e["MPTRAIN_TEST_SKIPS"] = str(log)
     run = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mptrain",
-         *DIGITS, "trainer.max_steps=4", "data.batch_size=4", "precision=amp_fp16", "loss_scale=dynamic",
-         "loss_scale.init_scale=1024", "data.max_val_batches=1", "trainer.precision_plan=false",  # hook counts forwards
-         f"hydra.run.dir={run}"],
-        capture_output=True, text=True, env=e, timeout=300,
-    )
+    r = torchrun([*DIGITS, "trainer.max_steps=4", "data.batch_size=4", "precision=amp_fp16", "loss_scale=dynamic",
+                  "loss_scale.init_scale=1024", "data.max_val_batches=1", "trainer.precision_plan=false",
+                  f"hydra.run.dir={run}"], e)  # no precision plan: the hook counts forwards
     assert r.returncode == 0, r.stderr[-12000:]  # a hung rank's stacks (SKIP_HOOK) come before torchrun's report
     per_rank: dict[str, list[tuple[float, float]]] = {}
     for line in log.read_text().splitlines():
