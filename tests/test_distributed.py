@@ -138,8 +138,8 @@ import faulthandler
 import os
 if os.environ.get("RANK") is not None and os.environ.get("MPTRAIN_TEST_SKIPS"):
     # This launch hung once (min_torch CI lane, 2026-11-29) and never again in 100+ tries: a rank
-    # still alive after 240 s prints every thread's stack and exits, so a hang fails with its stack
-    # in the assertion's stderr, before the test's own 300 s limit kills torchrun without one.
+    # still alive after 240 s prints every thread's stack and exits, so a hang fails with where it
+    # hung, before the launch's 300 s limit (torchrun()) stops it with only what it had logged.
     faulthandler.dump_traceback_later(240, exit=True)
     import mptrain.numerics.loss_scaling as _ls
     import mptrain.tasks.classification as _cls
