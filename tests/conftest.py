@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 # The emulated formats run their eager reference in the suite: compiling the fused kernels costs
-# minutes on a cold cache. tests/test_fused.py turns them on and holds them bit-identical to it,
-# unit by unit and through the engine.
+# minutes on a cold cache. tests/test_fused.py and tests/test_fused_gemms.py turn them on and hold
+# them bit-identical to it, unit by unit, layer by layer and through the engine.
 os.environ.setdefault("MPTRAIN_FUSED", "0")
 
 import json
