@@ -171,6 +171,10 @@ class MXPrecisionConfig(PrecisionConfig):
     # kept high, attention, norms), as a real low-precision run does; null: all of that in FP32
     autocast: str | None = None
     seed: int = 0  # stochastic rounding and Hadamard signs (their own generators, not the global RNG)
+    # CUDA only: inductor's combo kernels in each Linear layer's compiled graphs, which launch data-
+    # independent kernels as one. Experimental in inductor and off until a GPU run measures it
+    # (docs/benchmarks/README.md, "Combo kernels").
+    graph_combo_kernels: bool = False
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,8 +113,9 @@ def _fake_cuda() -> None:
     torch.tensor = on_device  # type: ignore[assignment]
 
 
-def cell(fmt_name: str, compute: str, direction: str) -> list[str]:
-    """The Triton kernels' names of one graph, in launch order."""
+def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> list[str]:
+    """The Triton kernels' names of one graph, in launch order (``combo``: with the recipe's
+    ``combo_kernels``, precision.graph_combo_kernels)."""
     _fake_cuda()
     import torch._inductor.config as inductor_config
     from torch._inductor import codecache
@@ -129,7 +130,8 @@ def cell(fmt_name: str, compute: str, direction: str) -> list[str]:
     nv = fmt_name == "nvfp4"
     recipe = GemmRecipe(BlockQuantizer(mx.BLOCK_FORMATS[fmt_name], stochastic_grads=nv, rng=RngStreams(0)),
                         torch.bfloat16 if compute == "bf16" else torch.float32,
-                        hadamard_signs=GemmRecipe.signs(1) if nv else None, weight_2d=nv)  # convert.py's recipes
+                        hadamard_signs=GemmRecipe.signs(1) if nv else None, weight_2d=nv,
+                        combo_kernels=combo)  # convert.py's recipes
     graphs: list[Any] = []
 
     def keep(gm: Any, example_inputs: Any) -> Any:
@@ -161,7 +163,8 @@ def cell(fmt_name: str, compute: str, direction: str) -> list[str]:
     codecache.PyCodeCache.load_by_key_path = staticmethod(generated)  # type: ignore[method-assign]
     gm = graphs[-1]
     inputs = [node.meta["example_value"] for node in gm.graph.nodes if node.op == "placeholder"]
-    options = {**compiled_calls._EAGER_NUMERICS, "pattern_matcher": False, "joint_graph_constant_folding": False,
+    # call_graph's options (graph_options), and no constant folding: it runs kernels on the joint graph
+    options = {**compiled_calls.graph_options((recipe,)), "joint_graph_constant_folding": False,
                "force_disable_caches": True}
     with inductor_config.patch(options), contextlib.suppress(_Generated):
         compile_fx(gm, inputs)
@@ -178,9 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     p.add_argument("--name", default="triton-kernels")
     p.add_argument("--cell", nargs=3, metavar=("FORMAT", "COMPUTE", "DIRECTION"), help=argparse.SUPPRESS)
+    p.add_argument("--combo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cell:
-        print(json.dumps(cell(*args.cell)))
+        print(json.dumps(cell(*args.cell, combo=args.combo)))
         return 0
     # imported here, not in a cell: it imports inductor, which must come after _fake_cuda
     from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
@@ -191,13 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in FORMATS:
         for compute in COMPUTE:
             row: dict[str, Any] = {"format": fmt, "compute": compute}
-            for direction in ("fwd", "bwd"):
-                run = subprocess.run([sys.executable, __file__, "--cell", fmt, compute, direction],
-                                     capture_output=True, text=True, check=True)  # fmt: skip
-                row[direction] = json.loads(run.stdout.strip().splitlines()[-1])
-            row["per_step"] = len(row["fwd"]) + len(row["bwd"])
+            for prefix, combo in (("", []), ("combo_", ["--combo"])):
+                for direction in ("fwd", "bwd"):
+                    run = subprocess.run([sys.executable, __file__, "--cell", fmt, compute, direction, *combo],
+                                         capture_output=True, text=True, check=True)  # fmt: skip
+                    row[prefix + direction] = json.loads(run.stdout.strip().splitlines()[-1])
+                row[prefix + "per_step"] = len(row[prefix + "fwd"]) + len(row[prefix + "bwd"])
             cells.append(row)
-            print(f"{fmt} {compute}: {len(row['fwd'])} + {len(row['bwd'])} kernels", flush=True)
+            print(f"{fmt} {compute}: {len(row['fwd'])} + {len(row['bwd'])} kernels, "
+                  f"{len(row['combo_fwd'])} + {len(row['combo_bwd'])} with combo kernels", flush=True)
     info["load_average_end"] = load_averages()
     result = {**info, "commit": commit, "shape": SHAPE, "target": "sm90, generated without a GPU", "cells": cells}
     md = cpu_header(info, "Triton kernels of a quantized Linear's graphs (inductor, sm90, no GPU)",
@@ -205,12 +211,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"{SHAPE[3]}), every dim dynamic as call_graph marks it; the recipes of `precision=mx`",
                     "- method: dynamo traces qgemm's forward and backward bodies on fake CUDA tensors; inductor "
                     "writes their code for an sm90 device, counted before anything compiles or runs")
-    md += ["| format | products | forward | backward | a layer and step |", "|---|---|---|---|---|"]
-    md += [f"| {c['format']} | {c['compute']} | {len(c['fwd'])} | {len(c['bwd'])} | {c['per_step']} |" for c in cells]
+    md += ["| format | products | forward | backward | a layer and step | with combo kernels: forward | backward "
+           "| a layer and step |", "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {c['format']} | {c['compute']} | {len(c['fwd'])} | {len(c['bwd'])} | {c['per_step']} "
+           f"| {len(c['combo_fwd'])} | {len(c['combo_bwd'])} | {c['combo_per_step']} |" for c in cells]
     md += ["", "Kernels in launch order:", ""]
     for c in cells:
-        for direction in ("fwd", "bwd"):
-            md.append(f"- {c['format']} {c['compute']} {direction}: " + ", ".join(f"`{k}`" for k in c[direction]))
+        for direction in ("fwd", "bwd", "combo_fwd", "combo_bwd"):
+            md.append(f"- {c['format']} {c['compute']} {direction.replace('_', ' ')}: "
+                      + ", ".join(f"`{k}`" for k in c[direction]))
     write_report(args.out, args.name, result, "\n".join(md) + "\n")
     return 0
 

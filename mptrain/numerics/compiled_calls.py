@@ -600,6 +600,20 @@ def _graph_sig(a: Any) -> str:
     return "-" if a is None else repr(a).replace(" ", "")
 
 
+def graph_options(args: tuple[Any, ...]) -> dict[str, Any]:
+    """Inductor's options for a graph of ``call_graph`` with these arguments (scripts/triton_kernels.py
+    generates the same code)."""
+    # no pattern passes: they fused the bias add into the GEMM (addmm), which sums in another order
+    options = {**_EAGER_NUMERICS, "pattern_matcher": False}
+    if any(getattr(a, "combo_kernels", False) for a in args):
+        # Triton only (a CPU's C++ kernels are fused their own way). One launch runs several kernels
+        # that do not read each other's results: the draw keys, the tensor scales' partial amaxes.
+        # Each keeps its own code, and every reduction in these graphs is an amax, whose result no
+        # order of its steps changes; the bias gradient's sum is computed outside them.
+        options["combo_kernels"] = True
+    return options
+
+
 def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     """``body(*args)`` as one compiled graph, the fused quantizers traced into it: a layer's GEMMs in
     one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
@@ -640,8 +654,7 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     if entry is None:
         code = body.__code__.replace(co_name=f"{body.__name__}_{len(_graphs)}")
         fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
-        # no pattern passes: they fused the bias add into the GEMM (addmm), which sums in another order
-        backend = _Inductor({**_EAGER_NUMERICS, "pattern_matcher": False})
+        backend = _Inductor(graph_options(args))
         entry = _graphs[variant] = (torch.compile(fn, fullgraph=True, backend=backend), backend)
     k, backend = entry
     for a in args:

@@ -132,6 +132,7 @@ class MxOptions:
     compute: str
     autocast: str | None  # "bf16": the rest of the model under a bf16 autocast; None: FP32
     seed: int
+    graph_combo_kernels: bool  # CUDA graphs: inductor's combo kernels (GemmRecipe.combo_kernels)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> MxOptions:
@@ -165,6 +166,7 @@ class MxOptions:
             weight_2d_blocks=flag("weight_2d_blocks", nv), keep_high=list(patterns), keep_first=int(keep_first),
             keep_last=None if keep_last is None else int(keep_last), pad_blocks=flag("pad_blocks", True),
             compute=compute, autocast=autocast, seed=int(options.get("seed", 0) or 0),
+            graph_combo_kernels=flag("graph_combo_kernels", False),
         )  # fmt: skip
 
     def last(self, n_gemm: int) -> tuple[int, str]:
@@ -268,7 +270,7 @@ def convert_model(
                 "stochastic_rounding": opts.stochastic_rounding, "hadamard": opts.hadamard,
                 "weight_2d_blocks": opts.weight_2d_blocks, "keep_high": opts.keep_high,
                 "keep_first": opts.keep_first, "keep_last": opts.keep_last, "pad_blocks": opts.pad_blocks,
-                "emulated_compute": opts.compute,
+                "emulated_compute": opts.compute, "graph_combo_kernels": opts.graph_combo_kernels,
             },
             rng=RngStreams(opts.seed),
         )  # fmt: skip
@@ -277,6 +279,7 @@ def convert_model(
         compute_dtype=COMPUTE[opts.compute],
         hadamard_signs=GemmRecipe.signs(opts.seed + 1) if opts.hadamard else None,
         weight_2d=opts.weight_2d_blocks,
+        combo_kernels=opts.graph_combo_kernels,
     )
     gemms = [(n, m, k) for n, m in model.named_modules() if (k := gemm_kind(m)) is not None]
     # A layer inside another GEMM module (MultiheadAttention's out_proj) is decided with its parent.
