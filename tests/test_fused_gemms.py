@@ -8,6 +8,7 @@ directly from the second step, given up per variant when a graph cannot be built
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -283,6 +284,18 @@ def test_quantized_gemms_on_cuda_match_the_reference(name: str, device: str) -> 
         assert_same(*both(lambda: conv_step(full_recipe(name), device)))
         assert_same(*both(lambda: conv_step(full_recipe(name), device, channels_last=True)))
         assert_same(*both(lambda: linear_step(rowwise_recipe, device)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
+def test_combo_kernel_graphs_on_cuda_match_the_reference(device: str) -> None:
+    """precision.graph_combo_kernels: a Linear's graphs with inductor's combo kernels, NVFP4's whole
+    recipe with bf16 products (its graphs have the most kernels to combine), against the eager
+    reference on the same GPU, bit for bit."""
+    def recipe() -> GemmRecipe:
+        return dataclasses.replace(full_recipe("nvfp4 bf16")(), combo_kernels=True)
+
+    assert fused.graph_enabled(torch.zeros(1, device=device))
+    assert_same(*both(lambda: linear_step(recipe, device)))
 
 
 @pytest.mark.parametrize("device", [CUDA])

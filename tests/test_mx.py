@@ -413,6 +413,29 @@ def test_convert_records_a_decision_per_gemm_layer() -> None:
     assert {x.name: x.format for x in none_kept.decisions}["head.3"] == "nvfp4"
 
 
+def test_graph_combo_kernels_reach_the_recipe_and_its_graphs_options() -> None:
+    """precision.graph_combo_kernels, from the composed config to every converted layer's recipe, its
+    graphs' own variant name and inductor's options for them (scripts/triton_kernels.py counts what
+    it does to the launches; only a GPU runs it)."""
+    from mptrain.numerics import compiled_calls
+
+    recipes = {}
+    for combo in (False, True):
+        cfg = make_cfg("model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4",
+                       f"precision.graph_combo_kernels={str(combo).lower()}")
+        validate(cfg)
+        model = build_precision(cfg.precision, torch.device("cpu")).prepare_model(
+            nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4)))
+        found = [m.mx_recipe for m in model.modules() if hasattr(m, "mx_recipe")]
+        assert found and all(r is found[0] for r in found)  # one recipe for the model's quantized layers
+        recipes[combo] = found[0]
+    off, on = recipes[False], recipes[True]
+    assert (off.combo_kernels, on.combo_kernels) == (False, True)
+    assert on.graph_key() == off.graph_key() + ":combo"  # its own graphs, beside the other's in one process
+    assert "combo_kernels" not in compiled_calls.graph_options((torch.zeros(1), off))
+    assert compiled_calls.graph_options((torch.zeros(1), on))["combo_kernels"] is True
+
+
 def make_cfg(*overrides: str) -> DictConfig:
     from conftest import compose, on_cpu
 

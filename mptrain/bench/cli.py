@@ -56,6 +56,10 @@ PRECISION_ALIASES = {
     # amp_bf16 runs it: on the H200 of 2026-11-28 NVFP4's kept layers alone took 4.4 ms of FP32 GEMMs.
     **{f"{fmt}_bf16_amp": ["precision=mx", f"precision.format={fmt}", "precision.emulated_compute=bf16",
                            "precision.autocast=bf16"] for fmt in ("mxfp8", "mxfp6", "mxfp4", "nvfp4")},
+    # ...and with inductor's combo kernels in their CUDA graphs (precision.graph_combo_kernels): fewer
+    # launches a Linear, where the launches paced the H200's step
+    **{f"{fmt}_bf16_combo": ["precision=mx", f"precision.format={fmt}", "precision.emulated_compute=bf16",
+                             "precision.graph_combo_kernels=true"] for fmt in ("mxfp8", "nvfp4")},
 }
 
 
