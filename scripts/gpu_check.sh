@@ -7,9 +7,14 @@
 #   run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=530)
 #
 # tests: the carried wheels import, README's main job, then the CUDA tests beside the CPU suite (8 workers).
-# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16); FP8 where its GEMMs
-#        are large enough to pay (transformer_lm_large, bf16 against torchao tensorwise and rowwise,
-#        compiled); ResNet-50 (the precisions against fp32, tf32 and the bare loop).
+# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16), then with inductor's
+#        combo kernels in their graphs; ResNet-50 (the precisions against fp32, tf32 and the bare loop).
+#        FP8 through torchao (transformer_lm_large, bf16 against tensorwise and rowwise, compiled) was
+#        measured on 2026-11-26 and 27 and cut by the limit on 11-28; the device tool brings back 8
+#        files, so its stage gave its two to the combo cells. By hand, after `source scripts/gpu_env.sh`:
+#          python3 -m mptrain.bench --no-process-warmup --models transformer_lm_large --batch-sizes 8 \
+#              --steps 10 --window 5 --warmup 5 --precisions amp_bf16,fp8_torchao,fp8_torchao_rowwise \
+#              --overrides trainer.compile=true
 #
 # Every stage runs under min(its own cap, the time left of GPU_CHECK_BUDGET_S), so a slow stage costs the
 # ones after it, never the whole call. The default budgets, 290 s for tests and 500 s for bench, are
@@ -184,17 +189,15 @@ BENCH=(python3 -m mptrain.bench --no-process-warmup --out "$WORK")
 # path (the harness, the aliases, the per-cell errors, the files) is exercised in minutes on a CPU.
 if [ "$SLUG" = cpu-dry-run ]; then
   R50=(--batch-sizes 4 --image-size 32 --width-divisor 8 --steps 4 --window 2 --warmup 2)
-  FP8=(--models transformer_lm_tiny --batch-sizes 2 --steps 4 --window 2 --warmup 2)
   FORMATS=(--models transformer_lm_tiny --batch-sizes 4 --steps 4 --window 2 --warmup 2)
 else
   R50=(--batch-sizes 256 --image-size 224 --steps 20 --window 5 --warmup 5)
-  FP8=(--models transformer_lm_large --batch-sizes 8 --steps 10 --window 5 --warmup 5)
   FORMATS=(--models transformer_lm --batch-sizes 32 --steps 10 --window 5 --warmup 3)
 fi
 
 run_bench() {
-  # Issue 24's open target first, then ResNet-50 (not measured on an H100 yet), then FP8: a limit cuts
-  # what earlier runs measured, not what is open.
+  # Issue 24's open target first, then ResNet-50 (not measured on an H100 yet): a limit cuts what
+  # earlier runs measured, not what is open.
   # 3. The emulated formats against amp_bf16 on the transformer LM, eager (whole-model compile is
   #    refused for them; each Linear's GEMMs run as one compiled graph per direction on CUDA): "vs
   #    bf16" is their cost, with their products in bf16 (precision.emulated_compute=bf16), the rest of
@@ -213,19 +216,21 @@ run_bench() {
     keep "$NAME-formats-profiles.txt"
   fi
 
-  # 4. ResNet-50 at 224 px, batch 256, channels_last: the precisions against fp32, tf32 and the bare
+  # 4. The same model with inductor's combo kernels in the Linear graphs (precision.graph_combo_kernels,
+  #    off by default until measured): scripts/triton_kernels.py counts 26 -> 14 Triton launches a layer
+  #    and step for NVFP4 and 12 -> 5 for MXFP8 (bf16 products), where the launches paced the H200's
+  #    step. Beside amp_bf16 and the plain cells again (their graphs in inductor's cache from stage 3),
+  #    no profiles. tests/test_fused_gemms.py holds the combo graphs to the reference on the same GPU.
+  stage bench_combo 150 "${BENCH[@]}" --name "$NAME-transformer-combo" "${FORMATS[@]}" \
+      --precisions amp_bf16,mxfp8_bf16,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_combo
+  keep "$NAME-transformer-combo.json" "$NAME-transformer-combo.md"
+
+  # 5. ResNet-50 at 224 px, batch 256, channels_last: the precisions against fp32, tf32 and the bare
   #    loop. No FP8 here: torchao converts only the classifier (its plan says so), a sliver of the FLOPs.
   stage bench_resnet50 170 "${BENCH[@]}" --name "$NAME-resnet50" --models resnet50 "${R50[@]}" \
       --precisions fp32,tf32,amp_fp16,amp_bf16,fp16_master --overrides trainer.channels_last=true
   keep "$NAME-resnet50.json" "$NAME-resnet50.md"
 
-  # 5. FP8 where it pays, last (measured on an H200 and an H100 on 2026-11-26, and its first two cells
-  #    again on 2026-11-27): transformer_lm_large (4 x d_model 4096, 16k tokens a step), bf16 against
-  #    torchao float8, tensorwise and rowwise, compiled (each cell compiles cold: 30-70 s). The
-  #    table's "vs bf16" column is FP8's speedup; the cells record the converted layers' FLOP share.
-  stage bench_fp8 200 "${BENCH[@]}" --name "$NAME-transformer-fp8" "${FP8[@]}" \
-      --precisions amp_bf16,fp8_torchao,fp8_torchao_rowwise --overrides trainer.compile=true
-  keep "$NAME-transformer-fp8.json" "$NAME-transformer-fp8.md"
 }
 
 "run_$what"
@@ -244,7 +249,7 @@ summary=$({
     grep -hE "^=+ .*(passed|failed|error|no tests ran).* =+$" "$OUT_DIR/$NAME-cuda-tests.log" \
         "$OUT_DIR/$NAME-cpu-suite.log" 2>/dev/null
   else
-    for f in resnet50 transformer-fp8 transformer-formats; do
+    for f in resnet50 transformer-formats transformer-combo; do
       [ -f "$OUT_DIR/$NAME-$f.md" ] && echo "--- $NAME-$f.md" && grep -E "^\|" "$OUT_DIR/$NAME-$f.md" | head -12
     done
   fi

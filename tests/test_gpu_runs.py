@@ -596,6 +596,32 @@ def triton_kernel_phrases() -> dict[str, str]:
             "TRITON_AGREE": agree, "TRITON_CPU": cpu}
 
 
+def combo_kernel_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on combo kernels: scripts/triton_kernels.py's counts both
+    ways, and what they give a step at the sixth run's quantized layers."""
+    def load(name: str) -> Any:
+        return json.loads((BENCH_DIR / f"{name}.json").read_text())
+
+    cells, before = load("triton-kernels-0718d3e")["cells"], load("triton-kernels-71628f2")["cells"]
+    assert [(c["fwd"], c["bwd"]) for c in cells] == [(c["fwd"], c["bwd"]) for c in before]  # "equal"
+    assert all(c["combo_per_step"] < c["per_step"] for c in cells)
+    rows = [f"| {c['format']} | {c['compute']} | {len(c['fwd'])} + {len(c['bwd'])} = {c['per_step']} | "
+            f"{len(c['combo_fwd'])} + {len(c['combo_bwd'])} = {c['combo_per_step']} |" for c in cells]
+    sixth = load("h200-2026-11-28-transformer-formats")["cells"]
+    layers = {c["precision"]: len(c["low_precision_layers"]) for c in sixth}
+    bf = {c["format"]: c for c in cells if c["compute"] == "bf16"}
+    n = {f: layers[f + "_bf16"] for f in bf}
+    step = " and from ".join(f"{bf[f]['per_step'] * n[f]} to {bf[f]['combo_per_step'] * n[f]} for {f.upper()}"
+                             for f in ("mxfp8", "nvfp4"))
+    return [*rows, f"the Linear graphs' launches a step with bf16 products go from {step}."]
+
+
+def test_the_combo_kernel_counts_in_prose_are_their_data() -> None:
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    missing = [p for p in combo_kernel_phrases() if " ".join(p.split()) not in text]
+    assert not missing, missing
+
+
 def test_the_triton_kernel_counts_in_prose_are_their_data() -> None:
     text = " ".join((BENCH_DIR / "README.md").read_text().split())
     missing = [p for p in triton_kernel_phrases().values() if " ".join(p.split()) not in text]
