@@ -434,6 +434,7 @@ def test_graph_combo_kernels_reach_the_recipe_and_its_graphs_options() -> None:
     assert on.graph_key() == off.graph_key() + ":combo"  # its own graphs, beside the other's in one process
     assert "combo_kernels" not in compiled_calls.graph_options((torch.zeros(1), off))
     assert compiled_calls.graph_options((torch.zeros(1), on))["combo_kernels"] is True
+    assert "combo_kernels" in torch._inductor.config.get_config_copy()  # an option this torch's inductor has
 
 
 def make_cfg(*overrides: str) -> DictConfig:
