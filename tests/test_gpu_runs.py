@@ -549,13 +549,15 @@ def test_the_graph_host_bench_in_prose_is_its_data():
     assert f"{min(per_call):.1f} to {max(per_call):.1f} launches per graph call in the sixth run's profiles" in text
 
 
+def load(name: str) -> Any:
+    """docs/benchmarks/NAME.json."""
+    return json.loads((BENCH_DIR / f"{name}.json").read_text())
+
+
 def triton_kernel_phrases() -> dict[str, str]:
     """docs/benchmarks/README.md's section on the Linear graphs' Triton kernels counted without a GPU
     (scripts/triton_kernels.py, before and at the change), what they give against the sixth run's
     launches, and the CPU runs that alternate between the two commits."""
-    def load(name: str) -> dict[str, Any]:
-        return json.loads((BENCH_DIR / f"{name}.json").read_text())
-
     before, now = load("triton-kernels-7770839")["cells"], load("triton-kernels-71628f2")["cells"]
     rows = []
     for b, n in zip(before, now, strict=True):
@@ -599,9 +601,6 @@ def triton_kernel_phrases() -> dict[str, str]:
 def combo_kernel_phrases() -> list[str]:
     """docs/benchmarks/README.md's section on combo kernels: scripts/triton_kernels.py's counts both
     ways, and what they give a step at the sixth run's quantized layers."""
-    def load(name: str) -> Any:
-        return json.loads((BENCH_DIR / f"{name}.json").read_text())
-
     cells, before = load("triton-kernels-0718d3e")["cells"], load("triton-kernels-71628f2")["cells"]
     assert [(c["fwd"], c["bwd"]) for c in cells] == [(c["fwd"], c["bwd"]) for c in before]  # "equal"
     assert all(c["combo_per_step"] < c["per_step"] for c in cells)
