@@ -8,7 +8,9 @@ their Triton kernels (docs/benchmarks/README.md, the sixth GPU run). How many ke
 launches is decided by inductor's code generation, which needs no GPU: dynamo traces each graph as
 ``compiled_calls.call_graph`` does (every dim but unit dims dynamic) on fake CUDA tensors, and
 inductor writes its code for an sm90 device (H100/H200). Nothing runs and nothing is timed: the
-figures are kernels a layer and step, and each kernel's name.
+figures are kernels a layer and step, each kernel's name, and the kernels that load through an
+address dividing an element's index (``divmod_loads``; the H200 profile of 2026-11-28 had NVFP4's
+such reductions at 118-155 us a call, against 16-21 us for its others).
 
 Checked against the H200 profiles of 2026-11-28 (Triton launches a step, at the commit before
 the fix these figures led to): MXFP8 launched 374 and 425 (bf16 products), this script's 15 and 17
@@ -113,9 +115,10 @@ def _fake_cuda() -> None:
     torch.tensor = on_device  # type: ignore[assignment]
 
 
-def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> list[str]:
-    """The Triton kernels' names of one graph, in launch order (``combo``: with the recipe's
-    ``combo_kernels``, precision.graph_combo_kernels)."""
+def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> dict[str, list[str]]:
+    """One graph's Triton kernels: their names in launch order (``kernels``), and those of them that
+    load with an address computed by dividing an element's index (``divmod_loads``, see
+    ``divmod_loads``). ``combo``: with the recipe's ``combo_kernels``, precision.graph_combo_kernels."""
     _fake_cuda()
     import torch._inductor.config as inductor_config
     from torch._inductor import codecache
@@ -169,7 +172,47 @@ def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> li
     with inductor_config.patch(options), contextlib.suppress(_Generated):
         compile_fx(gm, inputs)
     calls = code[-1][code[-1].index("def call("):]
-    return re.findall(r"(triton_\w+)\.run\(", calls)
+    return {"kernels": re.findall(r"(triton_\w+)\.run\(", calls), "divmod_loads": divmod_loads(code[-1])}
+
+
+# An element's index in a Triton kernel: the range variables and what inductor derives from them.
+_ELEMENT = re.compile(r"\b(xindex|r0_index|rindex|r0_\d+|x\d+)\b")
+
+
+def divmod_loads(source: str) -> list[str]:
+    """The kernels in inductor's ``source`` with a load whose address takes ``//`` or ``%`` of an
+    element's index inside the load itself: work for every element (integer division by a runtime
+    size), and an address whose contiguity neither inductor nor Triton can see (inductor judged such a
+    load uncoalesced). The usual ``x0 = xindex % ks0`` before the loads is not counted: one per element
+    at most, shared by every load of the kernel."""
+    found = []
+    for name, body in re.findall(r"(triton_\w+) = async_compile\.triton\('\w+', '''(.*?)'''", source, re.S):
+        for start in (m.end() for m in re.finditer(r"tl\.load\(", body)):
+            depth, end = 1, start
+            while depth and end < len(body):  # the address: the load's first argument
+                depth += {"(": 1, ")": -1}.get(body[end], 0)
+                if depth == 1 and body[end] == ",":
+                    break
+                end += 1
+            address = body[start:end]
+            if any(_ELEMENT.search(_dividend(address, m.start())) for m in re.finditer(r"//|%", address)):
+                found.append(name)
+                break
+    return found
+
+
+def _dividend(expr: str, at: int) -> str:
+    """The left operand of the ``//`` or ``%`` at ``expr[at]``: a parenthesised group or a name."""
+    end = len(expr[:at].rstrip())
+    if not end or expr[end - 1] != ")":
+        return re.findall(r"\w*$", expr[:end])[0]
+    depth, i = 0, end - 1
+    while i >= 0:
+        depth += {")": 1, "(": -1}.get(expr[i], 0)
+        if depth == 0:
+            return expr[i:end]
+        i -= 1
+    return expr[:end]
 
 
 class _Generated(BaseException):  # not an Exception: inductor would wrap that in its own error
@@ -199,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                 for direction in ("fwd", "bwd"):
                     run = subprocess.run([sys.executable, __file__, "--cell", fmt, compute, direction, *combo],
                                          capture_output=True, text=True, check=True)  # fmt: skip
-                    row[prefix + direction] = json.loads(run.stdout.strip().splitlines()[-1])
+                    found = json.loads(run.stdout.strip().splitlines()[-1])
+                    row[prefix + direction] = found["kernels"]
+                    row[prefix + direction + "_divmod_loads"] = found["divmod_loads"]
                 row[prefix + "per_step"] = len(row[prefix + "fwd"]) + len(row[prefix + "bwd"])
             cells.append(row)
             print(f"{fmt} {compute}: {len(row['fwd'])} + {len(row['bwd'])} kernels, "
@@ -212,14 +257,19 @@ def main(argv: list[str] | None = None) -> int:
                     "- method: dynamo traces qgemm's forward and backward bodies on fake CUDA tensors; inductor "
                     "writes their code for an sm90 device, counted before anything compiles or runs")
     md += ["| format | products | forward | backward | a layer and step | with combo kernels: forward | backward "
-           "| a layer and step |", "|---|---|---|---|---|---|---|---|"]
+           "| a layer and step | dividing loads: forward | backward |", "|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {c['format']} | {c['compute']} | {len(c['fwd'])} | {len(c['bwd'])} | {c['per_step']} "
-           f"| {len(c['combo_fwd'])} | {len(c['combo_bwd'])} | {c['combo_per_step']} |" for c in cells]
-    md += ["", "Kernels in launch order:", ""]
+           f"| {len(c['combo_fwd'])} | {len(c['combo_bwd'])} | {c['combo_per_step']} "
+           f"| {len(c['fwd_divmod_loads'])} | {len(c['bwd_divmod_loads'])} |" for c in cells]
+    md += ["", "Dividing loads: kernels with a load whose address takes `//` or `%` of an element's index "
+           "(without combo kernels).", "", "Kernels in launch order:", ""]
     for c in cells:
         for direction in ("fwd", "bwd", "combo_fwd", "combo_bwd"):
             md.append(f"- {c['format']} {c['compute']} {direction.replace('_', ' ')}: "
                       + ", ".join(f"`{k}`" for k in c[direction]))
+    md += ["", "Kernels with dividing loads:", ""]
+    md += [f"- {c['format']} {c['compute']} {d}: " + (", ".join(f"`{k}`" for k in c[d + "_divmod_loads"]) or "none")
+           for c in cells for d in ("fwd", "bwd")]
     write_report(args.out, args.name, result, "\n".join(md) + "\n")
     return 0
 
