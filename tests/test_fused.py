@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from fused_cases import CUDA, as_a_fresh_process, assert_same, both, fused_on
+from fused_cases import CUDA, adversarial, as_a_fresh_process, assert_same, block_cases, both, fused_on
 from torch import nn
 
 from mptrain.numerics import compiled_calls, fused, fused_kernels, mx
@@ -31,22 +31,6 @@ from mptrain.numerics.rounding_rng import RoundingStream
 @pytest.fixture(autouse=True)
 def _fused_on() -> Iterator[None]:
     yield from fused_on()
-
-
-def adversarial(rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Rows 32 binades apart, wide spread inside blocks, and rows of special values."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randn(rows, cols, generator=g) * 4)
-    x *= torch.exp2(torch.randint(-40, 40, (rows, 1), generator=g).float())
-    x[0] = 0.0  # an all-zero row
-    x[1, ::3] = math.nan
-    x[2, ::5] = math.inf
-    x[2, 1::5] = -math.inf
-    x[3] = torch.randn(cols, generator=g) * 2.0**-140  # FP32 subnormals
-    x[4] = torch.randn(cols, generator=g) * 1e38  # huge amax
-    x[5] = torch.randn(cols, generator=g) * 1e-37  # tiny amax
-    x[6, :: 2] = -0.0
-    return x
 
 
 ELEMENTS = [nf.E4M3, nf.E5M2, nf.E3M2, nf.E2M3, nf.E2M1, nf.FP16, nf.BF16]
@@ -114,22 +98,6 @@ def test_element_stochastic_rounding_draws_the_same_numbers(fmt: nf.ElementForma
 
 # --------------------------------------------------------------------------------------------
 # blocks
-
-
-def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
-    x = adversarial(64, 96, seed=5)
-    odd = adversarial(40, 24, seed=6)  # 40 and 24: not multiples of 16 or 32 along either dim
-    x4 = adversarial(8, 64 * 9, seed=7).view(8, 64, 3, 3)
-    narrow = adversarial(8, 40 * 4, seed=8).view(8, 40, 2, 2)  # a 2x2 map, 40 channels: padded
-    # under one block (an RGB stem, a narrow layer's 8 channels at a 3x3 filter's taps): one short block
-    rgb = adversarial(8, 3 * 25, seed=9).view(8, 3, 5, 5)
-    taps = adversarial(12, 8 * 9, seed=10).view(12, 8, 3, 3)
-    return [
-        ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
-        ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
-        ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1), ("padded 2x2 channels", narrow, 1),
-        ("3 channels", rgb, 1), ("8 channels at 3x3 taps", taps, 1),
-    ]  # fmt: skip
 
 
 @pytest.mark.kernels("blocks")
