@@ -625,3 +625,55 @@ def test_the_triton_kernel_counts_in_prose_are_their_data() -> None:
     text = " ".join((BENCH_DIR / "README.md").read_text().split())
     missing = [p for p in triton_kernel_phrases().values() if " ".join(p.split()) not in text]
     assert not missing, missing
+
+
+def profile_kernels(run: str, cell: str) -> tuple[int, list[tuple[str, float, int, float]]]:
+    """A gpu_check formats profile's kernel table for ``cell``: its ``--profile`` steps, and each row as
+    (truncated name, device ms over the steps, calls, us a call). The profiler prints a Triton kernel
+    twice in a row (its launch and the kernel): it counts once."""
+    text = (BENCH_DIR / f"{run}-formats-profiles.txt").read_text()
+    section = text.split(f"##### profile-transformer-lm-{cell}-b32-base.txt\n")[1].split("#####")[0]
+    steps = int(re.search(r"torch\.profiler, (\d+) steps", section).group(1))
+    table = section.split("sorted by self device time")[1].split("\n===")[0]
+    rows: list[tuple[str, float, int, float]] = []
+    for line in table.splitlines():
+        cols = re.split(r"\s{2,}", line.strip())
+        if len(cols) == 11 and cols[0].startswith("triton_"):
+            (total, t_unit), (avg, a_unit) = (re.fullmatch(r"([\d.]+)(ms|us)", c).groups() for c in (cols[6], cols[9]))
+            row = (cols[0], millis(total, t_unit), int(cols[10]), millis(avg, a_unit) * 1e3)
+            if not rows or rows[-1] != row:
+                rows.append(row)
+    return steps, rows
+
+
+def flat_amax_phrases() -> dict[str, str]:
+    """docs/benchmarks/README.md's section on NVFP4's flat tensor amaxes: the sixth run's kernel times,
+    and scripts/triton_kernels.py's dividing loads before and after."""
+    steps, kernels = profile_kernels("h200-2026-11-28", "nvfp4-bf16")
+    amax = [r for r in kernels if r[0].startswith("triton_red_fused_abs_") and "amax" in r[0]]
+    rotated = sorted((r for r in amax if "permute" in r[0]), key=lambda r: -r[3])
+    others = [r for r in amax if "permute" not in r[0]]
+    assert len(rotated) == 2 and len(others) == 1 and min(r[3] for r in rotated) > 5 * others[0][3]
+    step = {c["precision"]: c for c in load("h200-2026-11-28-transformer-formats")["cells"]}["nvfp4_bf16"]
+    before, after = load("triton-kernels-942a667")["cells"], load("triton-kernels-542cdff")["cells"]
+    assert [c["per_step"] for c in before] == [c["per_step"] for c in after]  # "as many kernels as before"
+
+    def dividing(c: dict) -> str:
+        return f"{len(c['fwd_divmod_loads'])} + {len(c['bwd_divmod_loads'])}"
+
+    nvfp4 = {c["per_step"] for c in after if c["format"] == "nvfp4"}
+    assert len(nvfp4) == 1
+    return {
+        "NVFP4_ROTATED": " and ".join(f"{r[3]:.1f}" for r in rotated) + " us a call",
+        "NVFP4_STEP": f"{sum(r[1] for r in rotated) / steps:.1f} ms of each {step['step_time_s'] * 1e3:.1f} ms step",
+        "NVFP4_OTHERS": f"{others[0][3]:.1f} us",
+        "DIVIDING_ROWS": "\n".join(f"| {b['format']} | {b['compute']} | {dividing(b)} | {dividing(a)} |"
+                                   for b, a in zip(before, after, strict=True)),
+        "DIVIDING_KERNELS": f"{nvfp4.pop()}",
+    }
+
+
+def test_the_flat_amax_figures_in_prose_are_their_data() -> None:
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    missing = [p for p in flat_amax_phrases().values() if " ".join(p.split()) not in text]
+    assert not missing, missing
