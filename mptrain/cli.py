@@ -37,7 +37,8 @@ def fail(message: str) -> None:
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def _run(cfg: DictConfig) -> float | None:
-    from mptrain.engine import Interrupted, train  # torch: only once the config is known to be good
+    from mptrain.engine import Interrupted  # torch: only once the config is known to be good
+    from mptrain.run import train
 
     multirun = HydraConfig.get().mode.name == "MULTIRUN"
     run_dir = Path(HydraConfig.get().runtime.output_dir)

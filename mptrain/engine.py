@@ -26,7 +26,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import random
@@ -49,7 +48,7 @@ from mptrain.logger import RunLogger
 from mptrain.memory import PeakMemory, host_memory
 from mptrain.numerics import compiled_calls, fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
-from mptrain.numerics.plan import PrecisionPlan, build_plan, render
+from mptrain.numerics.plan import PrecisionPlan, build_plan
 from mptrain.numerics.precision import MasterWeights, Precision, build_precision
 from mptrain.numerics.scalers import build_scaler, resolve_policy
 from mptrain.numerics.telemetry import GradientTelemetry, build_telemetry
@@ -661,7 +660,7 @@ class Engine:
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,
             "precision_plan": self.plan.to_dict() if self.plan is not None else None,
             "task": self.task.describe(),
-            "versions": _versions(),
+            "versions": versions(),
             "pairing": getattr(self, "pairing", None),
             "run_dir": str(self.run_dir),
         }
@@ -719,7 +718,8 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def _versions() -> dict[str, str | None]:
+def versions() -> dict[str, str | None]:
+    """The versions a run record names: mptrain, torch, torchvision, CUDA, cuDNN and Python."""
     import torchvision
 
     return {
@@ -733,96 +733,7 @@ def _versions() -> dict[str, str | None]:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
+    """``data`` as JSON at ``path``, atomically: a reader sees the old file or the new one, never half."""
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str, allow_nan=True) + "\n")
     os.replace(tmp, path)
-
-
-def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
-    """Build and run one training job; summary.json is written whatever happens.
-
-    Returns the summary. User errors raise MptrainError after the summary is written.
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    engine: Engine | None = None
-    status, error = "failed", None
-    guard = distributed.PreemptionGuard()
-    try:
-        engine = Engine(cfg, run_dir)
-        engine.guard = guard.__enter__()
-        if engine.plan is not None and engine.dist.is_main:
-            engine.logger.console.print(render(engine.plan, per_layer=cfg.trainer.precision_plan_layers))
-        log.info(
-            "%s on %s x%d | %s (%s) | loss_scale %s | %d steps, batch %d x %d micro-steps per device",
-            cfg.model.name, engine.device, engine.dist.world_size, cfg.precision.name, engine.precision.resolved,
-            engine.policy, engine.total_steps, cfg.data.batch_size, cfg.trainer.grad_accum,
-        )
-        engine.fit()
-        status = "completed"
-    except Interrupted as exc:
-        status, error = "interrupted", str(exc)
-        raise
-    except DivergedError as exc:
-        status, error = "diverged", str(exc)
-        raise
-    except KeyboardInterrupt:
-        status, error = "interrupted", "interrupted by the user"
-        if engine is not None:
-            engine.save(gather=False)
-        raise
-    except Exception as exc:
-        error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise
-    finally:
-        wall = time.perf_counter() - start
-        if engine is not None:
-            summary = engine.summary(status, wall, error)
-            engine.logger.hparams(_hparams(cfg, engine), _final_metrics(summary))
-            engine.logger.close()
-            engine.task.finish(run_dir)
-        else:  # failed while building: still leave a record of what was asked
-            summary = {"status": status, "error": error, "model": cfg.model.name, "data": cfg.data.name,
-                       "precision": cfg.precision.name, "loss_scale": cfg.loss_scale.name,
-                       "wall_time_s": wall, "versions": _versions(), "run_dir": str(run_dir)}
-        if engine is None or engine.dist.is_main:
-            write_json(run_dir / "summary.json", summary)
-        if engine is not None and status != "failed":
-            engine.logger.summary_table(summary)
-            for slot in engine.slots:
-                if slot.telemetry is not None:
-                    if engine.dist.is_main:
-                        engine.logger.console.print(slot.telemetry.table(summary["telemetry"][slot.objective.name]))
-                    slot.telemetry.close()
-        distributed.shutdown()
-        # the rounding stream belongs to this run: an in-process caller's later stochastic_round
-        # (without a generator) gets the global RNG again, as before the run
-        rounding_rng.seed_rounding(None)
-        if status == "interrupted":
-            guard.finish()  # under submitit: its handler requeues the job
-        else:
-            guard.__exit__()
-    return summary
-
-
-def _hparams(cfg: DictConfig, engine: Engine) -> dict[str, Any]:
-    return {
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "precision": cfg.precision.name,
-        "precision_resolved": engine.precision.resolved,
-        "loss_scale": engine.policy,
-        "batch_size": cfg.data.batch_size,
-        "lr": cfg.optim.lr,
-        "optim": cfg.optim.name,
-        "seed": cfg.trainer.seed,
-    }
-
-
-def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    out = {f"val/{k}": v for k, v in summary["metrics"].items()}
-    if summary["final_loss"] is not None and math.isfinite(summary["final_loss"]):
-        out["train/final_loss"] = summary["final_loss"]
-    if summary["throughput"]:
-        out["train/throughput_median"] = summary["throughput"]
-    return out

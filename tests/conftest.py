@@ -107,7 +107,7 @@ def on_cpu(overrides: list[str] | tuple[str, ...]) -> list[str]:
 
 def run_job(run_dir: Path, *overrides: str) -> dict[str, Any]:
     """Compose + validate + train in this process (on the CPU unless told); returns summary.json."""
-    from mptrain.engine import train
+    from mptrain.run import train
 
     cfg = compose(on_cpu(overrides))
     validate(cfg)

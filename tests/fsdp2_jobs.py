@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp2_jobs.py JOBS.json
 
 JOBS.json is a list of ``[run_dir, [override, ...]]``. Each job is composed, validated and trained as
-the ``mptrain`` command does (``mptrain.cli``'s compose and validate, then ``engine.train``), in one
+the ``mptrain`` command does (``mptrain.cli``'s compose and validate, then ``run.train``), in one
 process group (the first job sets it up; it is torn down after the last). With ``MPTRAIN_TEST_OVERFLOW=step,step,...``
 the overflow hook below is installed (it logs to ``MPTRAIN_TEST_SKIPS``).
 """
@@ -149,7 +149,7 @@ def glue_worker(rank: int, init_file: str, out: str) -> None:
 def main() -> None:
     from mptrain.cli import compose
     from mptrain.config import register_configs, validate
-    from mptrain.engine import train
+    from mptrain.run import train
 
     register_configs()
     if os.environ.get("MPTRAIN_TEST_OVERFLOW"):

@@ -31,12 +31,12 @@ def device_name(device: torch.device) -> str:
 
 
 def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]:
-    from mptrain.engine import _versions
+    from mptrain.engine import versions
 
     info: dict[str, Any] = {
         "device": device.type,
         "device_name": device_name(device),
-        "versions": _versions(),
+        "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["mptrain-bench", *argv]),
         "torch_threads": threads,

@@ -6,7 +6,7 @@
     mptrain-bench data --device cuda --workers 15 --decodes cpu,gpu --batch-size 256 --images 32768 \\
         --splits "" --channels-last --train resnet50 --train-overrides precision=mixed
 
-``--train MODEL`` then trains MODEL through the real engine (``mptrain.engine.train``), once on
+``--train MODEL`` then trains MODEL through the real engine (``mptrain.run.train``), once on
 synthetic data and once on the JPEG tree per decode path, same config otherwise, and reports the
 engine's median throughput, the median data-wait fraction, and each run's throughput over the
 synthetic run's: the input pipeline's share of a real run, side by side in one harness run.
@@ -211,7 +211,7 @@ def train_runs(root: Path, decodes: list[str], args: argparse.Namespace, device:
     """The engine on synthetic data, then on the tree per decode path: same model, batch, precision."""
     from mptrain.cli import compose
     from mptrain.config import register_configs, validate
-    from mptrain.engine import train
+    from mptrain.run import train
 
     register_configs()
     common = [f"model={args.train}", f"data.batch_size={args.batch_size}", f"data.image_size={args.image_size}",
