@@ -175,6 +175,11 @@ class MXPrecisionConfig(PrecisionConfig):
     # independent kernels as one. Experimental in inductor and off until a GPU run measures it
     # (docs/benchmarks/README.md, "Combo kernels").
     graph_combo_kernels: bool = False
+    # CUDA only: each Linear layer's graphs compiled for its own shapes, not with dynamic dims. Dynamic,
+    # inductor passes sizes as int64 and every kernel divides element indices by them at run time
+    # (pytorch#189940); static, by constants. More graphs to compile (one per layer shape), so off until
+    # a GPU run measures it (docs/benchmarks/README.md, "Static shapes").
+    graph_static_shapes: bool = False
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,10 +115,13 @@ def _fake_cuda() -> None:
     torch.tensor = on_device  # type: ignore[assignment]
 
 
-def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> dict[str, list[str]]:
-    """One graph's Triton kernels: their names in launch order (``kernels``), and those of them that
-    load with an address computed by dividing an element's index (``divmod_loads``, see
-    ``divmod_loads``). ``combo``: with the recipe's ``combo_kernels``, precision.graph_combo_kernels."""
+def cell(fmt_name: str, compute: str, direction: str, combo: bool = False,
+         static: bool = False) -> dict[str, list[str]]:
+    """One graph's Triton kernels: their names in launch order (``kernels``), those of them that load
+    with an address computed by dividing an element's index (``divmod_loads``), and those that divide
+    an element's index by a run-time size (``runtime_divisions``). ``combo``: with the recipe's
+    ``combo_kernels`` (precision.graph_combo_kernels); ``static``: with its ``static_shapes``
+    (precision.graph_static_shapes), no dim dynamic."""
     _fake_cuda()
     import torch._inductor.config as inductor_config
     from torch._inductor import codecache
@@ -134,7 +137,7 @@ def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> di
     recipe = GemmRecipe(BlockQuantizer(mx.BLOCK_FORMATS[fmt_name], stochastic_grads=nv, rng=RngStreams(0)),
                         torch.bfloat16 if compute == "bf16" else torch.float32,
                         hadamard_signs=GemmRecipe.signs(1) if nv else None, weight_2d=nv,
-                        combo_kernels=combo)  # convert.py's recipes
+                        combo_kernels=combo, static_shapes=static)  # convert.py's recipes
     graphs: list[Any] = []
 
     def keep(gm: Any, example_inputs: Any) -> Any:
@@ -151,7 +154,7 @@ def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> di
         else:
             body, args = qgemm._linear_bwd, (dy, x, w, w_scale, recipe.rotation_for(dy), recipe, (True, True),
                                              torch.float32)
-        for a in args:  # as call_graph marks them
+        for a in () if static else args:  # as call_graph marks them
             if isinstance(a, torch.Tensor):
                 for d, size in enumerate(a.shape):
                     if size != 1:
@@ -172,7 +175,8 @@ def cell(fmt_name: str, compute: str, direction: str, combo: bool = False) -> di
     with inductor_config.patch(options), contextlib.suppress(_Generated):
         compile_fx(gm, inputs)
     calls = code[-1][code[-1].index("def call("):]
-    return {"kernels": re.findall(r"(triton_\w+)\.run\(", calls), "divmod_loads": divmod_loads(code[-1])}
+    return {"kernels": re.findall(r"(triton_\w+)\.run\(", calls), "divmod_loads": divmod_loads(code[-1]),
+            "runtime_divisions": runtime_divisions(code[-1])}
 
 
 # An element's index in a Triton kernel: the range variables and what inductor derives from them.
@@ -196,6 +200,20 @@ def divmod_loads(source: str) -> list[str]:
                 end += 1
             address = body[start:end]
             if any(_ELEMENT.search(_dividend(address, m.start())) for m in re.finditer(r"//|%", address)):
+                found.append(name)
+                break
+    return found
+
+
+def runtime_divisions(source: str) -> list[str]:
+    """The kernels in inductor's ``source`` that divide (``//`` or ``%``) an element's index by a size
+    passed in at run time (``ks0``...: dynamic dims, which inductor passes as int64)."""
+    found = []
+    for name, body in re.findall(r"(triton_\w+) = async_compile\.triton\('\w+', '{3}(.*?)'{3}", source, re.S):
+        code = body[body.index("@triton.jit"):]
+        for m in re.finditer(r"//|%", code):
+            divisor = re.match(r"\s*(\(?[\w\s*+]*)", code[m.end():]).group(1)
+            if _ELEMENT.search(_dividend(code, m.start())) and "ks" in divisor:
                 found.append(name)
                 break
     return found
@@ -225,9 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default="triton-kernels")
     p.add_argument("--cell", nargs=3, metavar=("FORMAT", "COMPUTE", "DIRECTION"), help=argparse.SUPPRESS)
     p.add_argument("--combo", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--static", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cell:
-        print(json.dumps(cell(*args.cell, combo=args.combo)))
+        print(json.dumps(cell(*args.cell, combo=args.combo, static=args.static)))
         return 0
     # imported here, not in a cell: it imports inductor, which must come after _fake_cuda
     from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
@@ -238,13 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in FORMATS:
         for compute in COMPUTE:
             row: dict[str, Any] = {"format": fmt, "compute": compute}
-            for prefix, combo in (("", []), ("combo_", ["--combo"])):
+            for prefix, combo in (("", []), ("combo_", ["--combo"]), ("static_", ["--static"])):
                 for direction in ("fwd", "bwd"):
                     run = subprocess.run([sys.executable, __file__, "--cell", fmt, compute, direction, *combo],
                                          capture_output=True, text=True, check=True)  # fmt: skip
                     found = json.loads(run.stdout.strip().splitlines()[-1])
                     row[prefix + direction] = found["kernels"]
                     row[prefix + direction + "_divmod_loads"] = found["divmod_loads"]
+                    row[prefix + direction + "_runtime_divisions"] = found["runtime_divisions"]
                 row[prefix + "per_step"] = len(row[prefix + "fwd"]) + len(row[prefix + "bwd"])
             cells.append(row)
             print(f"{fmt} {compute}: {len(row['fwd'])} + {len(row['bwd'])} kernels, "
@@ -262,9 +282,18 @@ def main(argv: list[str] | None = None) -> int:
            f"| {len(c['combo_fwd'])} | {len(c['combo_bwd'])} | {c['combo_per_step']} "
            f"| {len(c['fwd_divmod_loads'])} | {len(c['bwd_divmod_loads'])} |" for c in cells]
     md += ["", "Dividing loads: kernels with a load whose address takes `//` or `%` of an element's index "
-           "(without combo kernels).", "", "Kernels in launch order:", ""]
+           "(without combo kernels).", ""]
+    md += ["Static shapes (precision.graph_static_shapes): kernels, and kernels dividing an element's index by a "
+           "run-time size, with dynamic dims and static:", "",
+           "| format | products | kernels: dynamic | static | run-time divisions: dynamic | static |",
+           "|---|---|---|---|---|---|"]
+    md += [f"| {c['format']} | {c['compute']} | {len(c['fwd'])} + {len(c['bwd'])} "
+           f"| {len(c['static_fwd'])} + {len(c['static_bwd'])} "
+           f"| {len(c['fwd_runtime_divisions'])} + {len(c['bwd_runtime_divisions'])} "
+           f"| {len(c['static_fwd_runtime_divisions'])} + {len(c['static_bwd_runtime_divisions'])} |" for c in cells]
+    md += ["", "Kernels in launch order:", ""]
     for c in cells:
-        for direction in ("fwd", "bwd", "combo_fwd", "combo_bwd"):
+        for direction in ("fwd", "bwd", "combo_fwd", "combo_bwd", "static_fwd", "static_bwd"):
             md.append(f"- {c['format']} {c['compute']} {direction.replace('_', ' ')}: "
                       + ", ".join(f"`{k}`" for k in c[direction]))
     md += ["", "Kernels with dividing loads:", ""]

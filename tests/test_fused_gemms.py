@@ -161,6 +161,37 @@ def test_linear_gemms_run_as_graphs_and_a_failing_graph_runs_eagerly(monkeypatch
 
 
 @pytest.mark.kernels("elements")
+def test_static_shape_graphs_compile_per_layer_shape_with_no_dynamic_dim(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recipe with ``static_shapes`` (precision.graph_static_shapes) compiles a Linear's graphs once
+    per layer shape, every size in them a constant, and its layers equal the reference bit for bit."""
+    as_a_fresh_process(monkeypatch)
+
+    def recipe() -> GemmRecipe:
+        return dataclasses.replace(rowwise_bf16_recipe(), static_shapes=True)
+
+    def step(n_in: int, n_out: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(n_in)
+        x = torch.randn(37, n_in, generator=g).requires_grad_()
+        w = (torch.randn(n_out, n_in, generator=g) * 0.1).requires_grad_()
+        y = QuantLinearFn.apply(x, w, None, recipe())
+        y.backward(torch.randn(37, n_out, generator=g))
+        return y, x.grad, w.grad  # type: ignore[return-value]
+
+    for shape in ((48, 40), (32, 48), (48, 40)):
+        with fused.graphs("cpu"):
+            got = step(*shape)
+        with fused.reference():
+            assert_same(got, step(*shape))
+    graphs = {k: backend.graphs for k, (_, backend) in compiled_calls._graphs.items()}
+    assert sorted(k.split("|")[0] for k in graphs) == ["_linear_bwd", "_linear_bwd", "_linear_fwd", "_linear_fwd"]
+    assert all(":static" in k and len(g) == 1 for k, g in graphs.items())  # the third step compiled nothing
+    for gm, _ in (g[0] for g in graphs.values()):
+        sizes = [v for n in gm.graph.nodes if n.op == "placeholder" for v in [n.meta.get("example_value")]]
+        assert not any(isinstance(v, torch.SymInt) for v in sizes)
+        assert all(not isinstance(s, torch.SymInt) for v in sizes if isinstance(v, torch.Tensor) for s in v.shape)
+
+
+@pytest.mark.kernels("elements")
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_a_linear_graph_is_called_directly_from_its_second_step(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Linear layer's graphs, as the quantizers' kernels, are called without dynamo from their second

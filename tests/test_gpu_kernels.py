@@ -5,6 +5,7 @@ tests/test_fused.py and tests/test_fused_gemms.py run the kernels themselves whe
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -62,10 +63,28 @@ def test_nvfp4_tensor_amax_reductions_load_by_the_elements_number() -> None:
     element's index. Over the blocks' view, each tensor-amax reduction did (one remainder in the
     forward, up to five divisions and remainders on wgrad's rotated operands), and on the H200 such
     kernels took 118-155 us a call against 16-21 us (docs/benchmarks/README.md)."""
-    pytest.importorskip("triton")
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_kernels.py"), "--cell", "nvfp4", "bf16",
-                          "fwd"], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
+    found = forward_graph_code()
     assert sum("amax" in k and k.startswith("triton_red") for k in found["kernels"]) == 2, found["kernels"]
     assert found["divmod_loads"] == [], found["divmod_loads"]
+
+
+@pytest.mark.skipif(torch.__version__.split("+")[0].rsplit(".", 1)[0] != "2.11",
+                    reason="scripts/triton_kernels.py fakes an sm90 device against torch 2.11's internals")
+def test_static_shape_graphs_divide_no_element_index_by_a_run_time_size() -> None:
+    """precision.graph_static_shapes: NVFP4's forward graph compiled for its shapes has no kernel that
+    divides an element's index by a size passed in at run time; with dynamic dims (the default), half
+    its kernels do, by the int64 sizes inductor passes them (scripts/triton_kernels.py)."""
+    dynamic, static = forward_graph_code(), forward_graph_code("--static")
+    assert len(dynamic["runtime_divisions"]) >= len(dynamic["kernels"]) // 2, dynamic
+    assert static["runtime_divisions"] == [] and len(static["kernels"]) <= len(dynamic["kernels"]), static
+
+
+@functools.cache
+def forward_graph_code(*flags: str) -> dict[str, list[str]]:
+    """scripts/triton_kernels.py's report on an NVFP4 Linear's forward graph with bf16 products (once a
+    process for each flag)."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "triton_kernels.py"), "--cell", "nvfp4", "bf16",
+                          "fwd", *flags], capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -437,6 +437,27 @@ def test_graph_combo_kernels_reach_the_recipe_and_its_graphs_options() -> None:
     assert "combo_kernels" in torch._inductor.config.get_config_copy()  # an option this torch's inductor has
 
 
+def test_graph_static_shapes_reach_the_recipe_and_name_each_shape() -> None:
+    """precision.graph_static_shapes, from the composed config to every converted layer's recipe and
+    its graphs' variant names: each tensor's whole shape, where without it only its unit dims."""
+    from mptrain.numerics import compiled_calls
+
+    recipes = {}
+    for static in (False, True):
+        cfg = make_cfg("model=transformer_lm_tiny", "precision=mx", "precision.format=mxfp8",
+                       f"precision.graph_static_shapes={str(static).lower()}")
+        validate(cfg)
+        model = build_precision(cfg.precision, torch.device("cpu")).prepare_model(
+            nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)))
+        found = [m.mx_recipe for m in model.modules() if hasattr(m, "mx_recipe")]
+        assert found and all(r.static_shapes is static for r in found)
+        recipes[static] = found[0]
+    assert recipes[True].graph_key() == recipes[False].graph_key() + ":static"
+    x = torch.zeros(8, 1, 64)
+    assert compiled_calls._graph_sig(x) == "Tx1xfloat32"
+    assert compiled_calls._graph_sig(x, static=True) == "T8x1x64float32"
+
+
 def make_cfg(*overrides: str) -> DictConfig:
     from conftest import compose, on_cpu
 

@@ -60,6 +60,10 @@ PRECISION_ALIASES = {
     # launches a Linear, where the launches paced the H200's step
     **{f"{fmt}_bf16_combo": ["precision=mx", f"precision.format={fmt}", "precision.emulated_compute=bf16",
                              "precision.graph_combo_kernels=true"] for fmt in ("mxfp8", "nvfp4")},
+    # ...and with each layer's CUDA graphs compiled for its shapes (precision.graph_static_shapes): no
+    # division by a run-time size in their kernels
+    **{f"{fmt}_bf16_static": ["precision=mx", f"precision.format={fmt}", "precision.emulated_compute=bf16",
+                              "precision.graph_static_shapes=true"] for fmt in ("mxfp8", "nvfp4")},
 }
 
 

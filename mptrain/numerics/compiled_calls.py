@@ -591,10 +591,11 @@ _graph_directs: dict[tuple[Any, ...], _Direct | None] = {}
 _graph_fast: dict[tuple[Any, ...], _Direct] = {}
 
 
-def _graph_sig(a: Any) -> str:
-    """An argument's part of a graph variant's name (``call_graph``)."""
+def _graph_sig(a: Any, static: bool = False) -> str:
+    """An argument's part of a graph variant's name (``call_graph``); ``static``: a tensor's whole shape."""
     if isinstance(a, Tensor):
-        return "T" + "".join("1" if s == 1 else "x" for s in a.shape) + str(a.dtype)[6:]
+        dims = "x".join(str(s) for s in a.shape) if static else "".join("1" if s == 1 else "x" for s in a.shape)
+        return f"T{dims}{str(a.dtype)[6:]}"
     if hasattr(a, "graph_key"):  # a GEMM recipe
         return a.graph_key()
     return "-" if a is None else repr(a).replace(" ", "")
@@ -619,8 +620,11 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
     one direction (``qgemm._gemms``). Compiled per variant, as ``_kernel`` does: the static arguments
     (flags, tuples, dtypes, which tensors are absent, a recipe's ``graph_key``) and the tensors' unit
     dims name it, and every other dim is dynamic, so that a model's layers share a few graphs and
-    never hit dynamo's recompile limit. After a compile failure of a variant, its calls run ``body``
-    eagerly."""
+    never hit dynamo's recompile limit. A recipe with ``static_shapes`` names its tensors' whole shapes
+    instead: a graph per layer shape, with no dim dynamic, whose kernels divide element indices by
+    constants. (Dynamic sizes reach inductor's Triton kernels as int64 arguments, and on a GPU an int64
+    division by a run-time value is a long instruction sequence: pytorch#189940.) After a compile
+    failure of a variant, its calls run ``body`` eagerly."""
     if torch.compiler.is_compiling():  # a user's torch.compile around the layers: traced into theirs
         return body(*args)
     # From a layout's third call on, its direct call is found by the parts of what names its variant
@@ -637,7 +641,8 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         if found is not None:
             rest = [a.detach() if isinstance(a, Tensor) else a for a in args[1:]]
             return found(args[0].detach(), tuple(rest))
-    variant = body.__name__ + "|" + ",".join(_graph_sig(a) for a in args)
+    static = any(getattr(a, "static_shapes", False) for a in args)
+    variant = body.__name__ + "|" + ",".join(_graph_sig(a, static) for a in args)
     if variant in _given_up:
         return body(*args)
     args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
@@ -655,9 +660,11 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         code = body.__code__.replace(co_name=f"{body.__name__}_{len(_graphs)}")
         fn = types.FunctionType(code, body.__globals__, code.co_name, body.__defaults__, body.__closure__)
         backend = _Inductor(graph_options(args))
-        entry = _graphs[variant] = (torch.compile(fn, fullgraph=True, backend=backend), backend)
+        # static: dynamic=False, so that a recompile (another layout of the same shapes) keeps it static
+        entry = _graphs[variant] = (torch.compile(fn, fullgraph=True, backend=backend,
+                                                  dynamic=False if static else None), backend)
     k, backend = entry
-    for a in args:
+    for a in () if static else args:
         if isinstance(a, Tensor):
             for d, s in enumerate(a.shape):
                 if s != 1:

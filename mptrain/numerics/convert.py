@@ -133,6 +133,7 @@ class MxOptions:
     autocast: str | None  # "bf16": the rest of the model under a bf16 autocast; None: FP32
     seed: int
     graph_combo_kernels: bool  # CUDA graphs: inductor's combo kernels (GemmRecipe.combo_kernels)
+    graph_static_shapes: bool  # CUDA graphs: compiled per layer shape (GemmRecipe.static_shapes)
 
     @classmethod
     def parse(cls, options: Mapping[str, Any]) -> MxOptions:
@@ -167,6 +168,7 @@ class MxOptions:
             keep_last=None if keep_last is None else int(keep_last), pad_blocks=flag("pad_blocks", True),
             compute=compute, autocast=autocast, seed=int(options.get("seed", 0) or 0),
             graph_combo_kernels=flag("graph_combo_kernels", False),
+            graph_static_shapes=flag("graph_static_shapes", False),
         )  # fmt: skip
 
     def last(self, n_gemm: int) -> tuple[int, str]:
@@ -271,6 +273,7 @@ def convert_model(
                 "weight_2d_blocks": opts.weight_2d_blocks, "keep_high": opts.keep_high,
                 "keep_first": opts.keep_first, "keep_last": opts.keep_last, "pad_blocks": opts.pad_blocks,
                 "emulated_compute": opts.compute, "graph_combo_kernels": opts.graph_combo_kernels,
+                "graph_static_shapes": opts.graph_static_shapes,
             },
             rng=RngStreams(opts.seed),
         )  # fmt: skip
@@ -280,6 +283,7 @@ def convert_model(
         hadamard_signs=GemmRecipe.signs(opts.seed + 1) if opts.hadamard else None,
         weight_2d=opts.weight_2d_blocks,
         combo_kernels=opts.graph_combo_kernels,
+        static_shapes=opts.graph_static_shapes,
     )
     gemms = [(n, m, k) for n, m in model.named_modules() if (k := gemm_kind(m)) is not None]
     # A layer inside another GEMM module (MultiheadAttention's out_proj) is decided with its parent.

@@ -165,6 +165,7 @@ class GemmRecipe:
     hadamard_signs: Tensor | None = None  # 16 random +-1 signs: RHT on both wgrad operands
     weight_2d: bool = False  # the weight's forward quantization serves dgrad as well (2D tiles)
     combo_kernels: bool = False  # its compiled graphs launch independent kernels as one (compiled_calls)
+    static_shapes: bool = False  # its compiled graphs are compiled per shape, no dim dynamic (compiled_calls)
 
     def __post_init__(self) -> None:
         # the signs as host values, read once: the rotation is then cached per device and dtype
@@ -175,7 +176,8 @@ class GemmRecipe:
         """The recipe's static choices, in a compiled graph's variant name: each recipe compiles its own
         graphs (one process may run several: the benchmark's cells) rather than recompiling one."""
         return (f"{self.quantizer.graph_key()}:{str(self.compute_dtype)[6:]}:{'rht' if self._signs else ''}:"
-                f"{'2d' if self.weight_2d else ''}{':combo' if self.combo_kernels else ''}")
+                f"{'2d' if self.weight_2d else ''}{':combo' if self.combo_kernels else ''}"
+                f"{':static' if self.static_shapes else ''}")
 
     def stream_tensors(self, device: torch.device) -> dict[str, Tensor]:
         """The rounding stream a compiled graph of this recipe reads on ``device`` (stochastic rounding of
