@@ -7,8 +7,8 @@
 #   run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=530)
 #
 # tests: the carried wheels import, README's main job, then the CUDA tests beside the CPU suite (8 workers).
-# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16), then with inductor's
-#        combo kernels in their graphs; ResNet-50 (the precisions against fp32, tf32 and the bare loop).
+# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16), then with their graphs'
+#        combo kernels and static shapes; ResNet-50 (the precisions against fp32, tf32 and the bare loop).
 #        FP8 through torchao (transformer_lm_large, bf16 against tensorwise and rowwise, compiled) was
 #        measured on 2026-11-26 and 27 and cut by the limit on 11-28; the device tool brings back 8
 #        files, so its stage gave its two to the combo cells. By hand, after `source scripts/gpu_env.sh`:
@@ -216,14 +216,16 @@ run_bench() {
     keep "$NAME-formats-profiles.txt"
   fi
 
-  # 4. The same model with inductor's combo kernels in the Linear graphs (precision.graph_combo_kernels,
-  #    off by default until measured): scripts/triton_kernels.py counts 26 -> 14 Triton launches a layer
-  #    and step for NVFP4 and 12 -> 5 for MXFP8 (bf16 products), where the launches paced the H200's
-  #    step. Beside amp_bf16 and the plain cells again (their graphs in inductor's cache from stage 3),
-  #    no profiles. tests/test_fused_gemms.py holds the combo graphs to the reference on the same GPU.
-  stage bench_combo 150 "${BENCH[@]}" --name "$NAME-transformer-combo" "${FORMATS[@]}" \
-      --precisions amp_bf16,mxfp8_bf16,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_combo
-  keep "$NAME-transformer-combo.json" "$NAME-transformer-combo.md"
+  # 4. The same model with the Linear graphs' two options (off by default until measured), no profiles,
+  #    beside amp_bf16 and the plain cells again (their graphs in inductor's cache from stage 3):
+  #    - inductor's combo kernels (precision.graph_combo_kernels): scripts/triton_kernels.py counts
+  #      26 -> 14 Triton launches a layer and step for NVFP4 and 12 -> 5 for MXFP8 (bf16 products);
+  #    - static shapes (precision.graph_static_shapes): a graph per layer shape (about ten a cell to
+  #      compile, hence the longer cap), whose kernels divide no element index by an int64 size.
+  #    tests/test_fused_gemms.py holds the combo graphs to the reference on the same GPU.
+  stage bench_graphs 250 "${BENCH[@]}" --name "$NAME-transformer-graphs" "${FORMATS[@]}" \
+      --precisions amp_bf16,mxfp8_bf16,mxfp8_bf16_static,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_static,nvfp4_bf16_combo
+  keep "$NAME-transformer-graphs.json" "$NAME-transformer-graphs.md"
 
   # 5. ResNet-50 at 224 px, batch 256, channels_last: the precisions against fp32, tf32 and the bare
   #    loop. No FP8 here: torchao converts only the classifier (its plan says so), a sliver of the FLOPs.
@@ -249,7 +251,7 @@ summary=$({
     grep -hE "^=+ .*(passed|failed|error|no tests ran).* =+$" "$OUT_DIR/$NAME-cuda-tests.log" \
         "$OUT_DIR/$NAME-cpu-suite.log" 2>/dev/null
   else
-    for f in resnet50 transformer-formats transformer-combo; do
+    for f in resnet50 transformer-formats transformer-graphs; do
       [ -f "$OUT_DIR/$NAME-$f.md" ] && echo "--- $NAME-$f.md" && grep -E "^\|" "$OUT_DIR/$NAME-$f.md" | head -12
     done
   fi

@@ -330,6 +330,18 @@ def test_combo_kernel_graphs_on_cuda_match_the_reference(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", [CUDA])
+@pytest.mark.parametrize("name", ["mxfp8 bf16", "nvfp4 bf16"])
+def test_static_shape_graphs_on_cuda_match_the_reference(name: str, device: str) -> None:
+    """precision.graph_static_shapes: a Linear's graphs compiled for its shapes, each format's whole
+    recipe with bf16 products, against the eager reference on the same GPU, bit for bit."""
+    def recipe() -> GemmRecipe:
+        return dataclasses.replace(full_recipe(name)(), static_shapes=True)
+
+    assert fused.graph_enabled(torch.zeros(1, device=device))
+    assert_same(*both(lambda: linear_step(recipe, device)))
+
+
+@pytest.mark.parametrize("device", [CUDA])
 def test_a_linear_forward_graph_is_one_kernel_per_operand_on_cuda(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """An MXFP8 Linear's forward graph with bf16 products compiles to three Triton kernels: each
     operand's quantizer writes the GEMM's bf16 operand itself, and the bias is added after the GEMM.

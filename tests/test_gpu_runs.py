@@ -677,3 +677,23 @@ def test_the_flat_amax_figures_in_prose_are_their_data() -> None:
     text = " ".join((BENCH_DIR / "README.md").read_text().split())
     missing = [p for p in flat_amax_phrases().values() if " ".join(p.split()) not in text]
     assert not missing, missing
+
+
+def static_shape_phrases() -> dict[str, str]:
+    """docs/benchmarks/README.md's section on static shapes: scripts/triton_kernels.py's kernels and
+    run-time divisions, with dynamic dims and static."""
+    cells = load("triton-kernels-eac313b")["cells"]
+
+    def two(c: dict, key: str, prefix: str = "") -> str:
+        return f"{len(c[prefix + 'fwd' + key])} + {len(c[prefix + 'bwd' + key])}"
+
+    assert all(not c["static_fwd_runtime_divisions"] and not c["static_bwd_runtime_divisions"] for c in cells)
+    rows = [f"| {c['format']} | {c['compute']} | {two(c, '')} | {two(c, '', 'static_')} | "
+            f"{two(c, '_runtime_divisions')} | {two(c, '_runtime_divisions', 'static_')} |" for c in cells]
+    return {"STATIC_ROWS": "\n".join(rows)}
+
+
+def test_the_static_shape_counts_in_prose_are_their_data() -> None:
+    text = " ".join((BENCH_DIR / "README.md").read_text().split())
+    missing = [p for p in static_shape_phrases().values() if " ".join(p.split()) not in text]
+    assert not missing, missing
