@@ -419,17 +419,7 @@ def test_graph_combo_kernels_reach_the_recipe_and_its_graphs_options() -> None:
     it does to the launches; only a GPU runs it)."""
     from mptrain.numerics import compiled_calls
 
-    recipes = {}
-    for combo in (False, True):
-        cfg = make_cfg("model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4",
-                       f"precision.graph_combo_kernels={str(combo).lower()}")
-        validate(cfg)
-        model = build_precision(cfg.precision, torch.device("cpu")).prepare_model(
-            nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4)))
-        found = [m.mx_recipe for m in model.modules() if hasattr(m, "mx_recipe")]
-        assert found and all(r is found[0] for r in found)  # one recipe for the model's quantized layers
-        recipes[combo] = found[0]
-    off, on = recipes[False], recipes[True]
+    off, on = (graph_option_recipe("nvfp4", "graph_combo_kernels", flag) for flag in (False, True))
     assert (off.combo_kernels, on.combo_kernels) == (False, True)
     assert on.graph_key() == off.graph_key() + ":combo"  # its own graphs, beside the other's in one process
     assert "combo_kernels" not in compiled_calls.graph_options((torch.zeros(1), off))
@@ -442,20 +432,25 @@ def test_graph_static_shapes_reach_the_recipe_and_name_each_shape() -> None:
     its graphs' variant names: each tensor's whole shape, where without it only its unit dims."""
     from mptrain.numerics import compiled_calls
 
-    recipes = {}
-    for static in (False, True):
-        cfg = make_cfg("model=transformer_lm_tiny", "precision=mx", "precision.format=mxfp8",
-                       f"precision.graph_static_shapes={str(static).lower()}")
-        validate(cfg)
-        model = build_precision(cfg.precision, torch.device("cpu")).prepare_model(
-            nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)))
-        found = [m.mx_recipe for m in model.modules() if hasattr(m, "mx_recipe")]
-        assert found and all(r.static_shapes is static for r in found)
-        recipes[static] = found[0]
-    assert recipes[True].graph_key() == recipes[False].graph_key() + ":static"
+    off, on = (graph_option_recipe("mxfp8", "graph_static_shapes", flag) for flag in (False, True))
+    assert (off.static_shapes, on.static_shapes) == (False, True)
+    assert on.graph_key() == off.graph_key() + ":static"
     x = torch.zeros(8, 1, 64)
     assert compiled_calls._graph_sig(x) == "Tx1xfloat32"
     assert compiled_calls._graph_sig(x, static=True) == "T8x1x64float32"
+
+
+def graph_option_recipe(fmt: str, option: str, value: bool) -> GemmRecipe:
+    """The one recipe of a small model's quantized layers, from the composed config with
+    ``precision.<option>=<value>``."""
+    cfg = make_cfg("model=transformer_lm_tiny", "precision=mx", f"precision.format={fmt}",
+                   f"precision.{option}={str(value).lower()}")
+    validate(cfg)
+    model = build_precision(cfg.precision, torch.device("cpu")).prepare_model(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4)))
+    found = [m.mx_recipe for m in model.modules() if hasattr(m, "mx_recipe")]
+    assert found and all(r is found[0] for r in found)  # one recipe for the model's quantized layers
+    return found[0]
 
 
 def make_cfg(*overrides: str) -> DictConfig:
