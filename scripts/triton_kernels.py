@@ -181,6 +181,8 @@ def cell(fmt_name: str, compute: str, direction: str, combo: bool = False,
 
 # An element's index in a Triton kernel: the range variables and what inductor derives from them.
 _ELEMENT = re.compile(r"\b(xindex|r0_index|rindex|r0_\d+|x\d+)\b")
+# A kernel in inductor's module: its name and its Triton source.
+_KERNEL = re.compile(r"(triton_\w+) = async_compile\.triton\('\w+', '{3}(.*?)'{3}", re.S)
 
 
 def divmod_loads(source: str) -> list[str]:
@@ -190,7 +192,7 @@ def divmod_loads(source: str) -> list[str]:
     load uncoalesced). The usual ``x0 = xindex % ks0`` before the loads is not counted: one per element
     at most, shared by every load of the kernel."""
     found = []
-    for name, body in re.findall(r"(triton_\w+) = async_compile\.triton\('\w+', '''(.*?)'''", source, re.S):
+    for name, body in _KERNEL.findall(source):
         for start in (m.end() for m in re.finditer(r"tl\.load\(", body)):
             depth, end = 1, start
             while depth and end < len(body):  # the address: the load's first argument
@@ -209,7 +211,7 @@ def runtime_divisions(source: str) -> list[str]:
     """The kernels in inductor's ``source`` that divide (``//`` or ``%``) an element's index by a size
     passed in at run time (``ks0``...: dynamic dims, which inductor passes as int64)."""
     found = []
-    for name, body in re.findall(r"(triton_\w+) = async_compile\.triton\('\w+', '{3}(.*?)'{3}", source, re.S):
+    for name, body in _KERNEL.findall(source):
         code = body[body.index("@triton.jit"):]
         for m in re.finditer(r"//|%", code):
             divisor = re.match(r"\s*(\(?[\w\s*+]*)", code[m.end():]).group(1)
