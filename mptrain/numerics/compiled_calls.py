@@ -52,7 +52,47 @@ _EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "eager_numerics.dis
 # table) ran AOTAutograd again: 2.6-3.8 s for an MXFP8 block kernel, against 1.0-1.4 s from the
 # cache (an AVX2 CPU). torch._check's effect is fixed by its argument, which is in the graph and so
 # in the cache key; inductor's option names it cacheable (torch 2.15 caches these graphs without it).
-_CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__version__}}
+# The second entry names no function: it puts vector_bitcasts' code (below) into every kernel's cache
+# key, so that no process loads a kernel cached before it, with the per-lane bitcasts.
+_CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__version__,
+                                                     "mptrain.vector_bitcasts": "1"}}
+
+
+@functools.cache  # once a process
+def vector_bitcasts() -> None:
+    """Inductor's C++ backend writes a vectorised bitcast (``Tensor.view(dtype)``, which the kernel
+    bodies use on every element: exponents, signs, amaxes from the bits) as a per-lane scalar loop:
+    the vector stored to a buffer, each lane cast, the result loaded back. Every torch up to 2.15 does
+    (``CppVecOverrides`` has no ``to_dtype_bitcast``). What that costs is up to the C++ compiler,
+    which inductor runs with ``-march=native``: on the AMD EPYC of docs/benchmarks the quantizers
+    met issue 24's targets, and on a Xeon with AMX, compiled for it, they took several times as long
+    and missed every one (docs/benchmarks/README.md, "An Intel Xeon with AMX").
+
+    This writes the bitcast between FP32 and int32 as ATen's ``at::vec::cast``, which reinterprets a
+    vector's bits in registers: the same bits as ``c10::bit_cast`` lane by lane. Other bitcasts, and a
+    torch whose inductor vectorises bitcasts itself, are left as they are. Called before anything
+    compiles (``_Inductor``)."""
+    try:
+        from torch._inductor.codegen.cpp import CppVecOverrides
+        from torch._inductor.virtualized import V
+    except ImportError:
+        return
+    per_lane = CppVecOverrides.to_dtype_bitcast
+    if not getattr(per_lane, "__qualname__", "").startswith("CppVecOverrides._scalarize"):
+        return  # not the per-lane fallback: another inductor's own
+    names = {torch.float32: "float", torch.int32: "int32_t"}
+
+    def to_dtype_bitcast(x: Any, dtype: torch.dtype, src_dtype: torch.dtype) -> Any:
+        if dtype not in names or src_dtype not in names:
+            return per_lane(x, dtype, src_dtype)
+        n = V.kernel._get_num_vectors(src_dtype)
+        if n == 1:
+            return f"at::vec::cast<{names[dtype]}>({x})"
+        # VectorizedN (a kernel whose lowest-precision dtype takes several FP32 vectors a step)
+        return (f"[&]() {{ at::vec::VectorizedN<{names[dtype]}, {n}> r; for (int i = 0; i < {n}; i++) "
+                f"r[i] = at::vec::cast<{names[dtype]}>({x}[i]); return r; }}()")
+
+    CppVecOverrides.to_dtype_bitcast = staticmethod(to_dtype_bitcast)
 
 
 @functools.cache  # once a process
@@ -135,6 +175,7 @@ class _Inductor(torch._TorchCompileInductorWrapper):  # type: ignore[misc, name-
 
     def __init__(self, options: dict[str, Any]) -> None:
         remember_isa_checks()
+        vector_bitcasts()
         super().__init__(None, {**_CACHEABLE, **options}, None)
         self.graphs: list[tuple[torch.fx.GraphModule, Callable[..., Any]]] = []
         self.ran: int | None = None
