@@ -54,6 +54,17 @@ MPTRAIN: dict[str, Any] = {
     "mxfp4": MXPrecisionConfig(name="mx", format="mxfp4"),
     "nvfp4": MXPrecisionConfig(name="mx", format="nvfp4"),
 }
+# Not in the default set (--modes names them): what a CPU with native bf16 (AVX512-BF16, AMX) can
+# do instead of FP32. "amp bf16" is precision=mixed there; the others multiply the quantized values
+# in bf16 (precision.emulated_compute=bf16), which holds them exactly, so only the GEMM's kernel and
+# its order of adds change (mptrain.numerics.mx.dequantize's caveat: MX scales at or below 2^-118).
+EXTRA: dict[str, Any] = {
+    "amp bf16": PrecisionConfig(name="amp_bf16"),
+    "mxfp8 bf16": MXPrecisionConfig(name="mx", format="mxfp8", emulated_compute="bf16"),
+    "nvfp4 bf16": MXPrecisionConfig(name="mx", format="nvfp4", emulated_compute="bf16"),
+    # ...and the layers NVFP4's recipe keeps high computed under a bf16 autocast, not in FP32
+    "nvfp4 bf16 amp": MXPrecisionConfig(name="mx", format="nvfp4", emulated_compute="bf16", autocast="bf16"),
+}
 REFERENCE = ("fp8 hybrid", "mxfp8", "nvfp4")  # --reference: these again on the eager reference
 TORCHAO = ("torchao float8 tensorwise", "torchao float8 rowwise", "torchao mxfp8")
 # Which torchao mode each mptrain mode is held against (the issue's "emulated equivalent").
@@ -103,9 +114,11 @@ def build(model_name: str, mode: str) -> Mode | str:
     model = make()
     base = mode.removesuffix(" (eager reference)")
     context = fused.reference if base != mode else contextlib.nullcontext
-    if base in MPTRAIN:
-        precision = build_precision(OmegaConf.structured(MPTRAIN[base]), torch.device("cpu"))
+    if base in MPTRAIN or base in EXTRA:
+        precision = build_precision(OmegaConf.structured({**MPTRAIN, **EXTRA}[base]), torch.device("cpu"))
         model = precision.prepare_model(model)
+        if base == mode:  # the run's autocast region, where the mode has one (the engine's forward)
+            context = precision.autocast
         state = precision.mx_state or precision.fp8_state
         quantized = None if state is None else sum(d.format != "high" for d in state.decisions)
         after = precision.after_step
@@ -264,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                                      "other_ms": None}
             # The split is for the fused modes: replayed alone, the eager chains' many intermediates
             # meet colder caches than inside the step, and their replay overstated them.
-            if runs[m].context is contextlib.nullcontext:
+            if not m.endswith(" (eager reference)"):
                 q_ms, q_calls = quantizer_ms(runs[m], x, y)
                 parts.update(quantizers_ms=round(q_ms, 2), quantizer_calls=q_calls, other_ms=round(gap - q_ms, 2) + 0.0)
             rows.append({
@@ -331,7 +344,12 @@ def markdown(result: dict[str, Any]) -> str:
         "FP16 master weights, stochastic rounding), `tensor` / `rowwise` its per-tensor and row-wise scaled "
         "recipes; mx formats = `precision=mx precision.format=...` with the format's recipe defaults; torchao "
         "float8 with `emulate=True`, torchao MXFP8 with `KernelPreference.EMULATED` and FP32 output. Everything "
-        "is emulated in FP32: the ratio is the emulation's cost, not a speed-up any hardware would show.",
+        "is emulated in FP32: the ratio is the emulation's cost, not a speed-up any hardware would show."
+        + ("" if not any(r["mode"] in EXTRA for r in rows) else
+           " Beside them, on a CPU with native bf16: `amp bf16` = `precision=amp_bf16` (what `precision=mixed` "
+           "resolves to there); `mxfp8 bf16` and `nvfp4 bf16` = `precision.emulated_compute=bf16` (the quantized "
+           "values multiplied in bf16, which holds them exactly); `nvfp4 bf16 amp` adds `precision.autocast=bf16` "
+           "(the layers NVFP4 keeps high, and everything but the GEMMs, under a bf16 autocast)."),
         "",
         "| model | batch | mode | quantized GEMM layers | step ms (CPU) | vs fp32 | vs fp32 (paired) "
         "| vs torchao (CPU) | step ms (wall) | vs fp32 (wall) | spread | gap to fp32 ms | quantizers ms (calls) "
