@@ -334,6 +334,36 @@ def test_conv_dgrad_with_nothing_quantized_is_the_plain_convs(c_in: int, c_out: 
     assert quantized.stride() == plain.stride() and torch.equal(quantized, plain)
 
 
+@pytest.mark.parametrize(("n", "size", "channels_last"), [(2, 1, False), (2, 1, True), (1, 2, False), (8, 4, True)])
+def test_conv_dgrad_with_bf16_products_on_one_thread(n: int, size: int, channels_last: bool) -> None:
+    """emulated_compute=bf16: dgrad runs aten's convolution backward on bf16 operands. Given the FP32
+    x as well, its CPU path for small maps on one thread refused the mix ("expected scalar type Float
+    but found BFloat16": ResNet-50/8 at batch 2, a 1x1 conv on a 1x1 map). dx is an FP32 Conv2d's
+    under autograd on the same operands (bf16 holds them: they are rounded to it first), rounded
+    once to bf16 as a bf16 GEMM's output is."""
+    g = torch.Generator().manual_seed(4)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(n, 64, size, size, generator=g).contiguous(memory_format=layout)
+    w = torch.randn(256, 64, 1, 1, generator=g).bfloat16().float()
+    dy = torch.randn(n, 256, size, size, generator=g).bfloat16().float().contiguous(memory_format=layout)
+    conv = (1, 1), (0, 0), (1, 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grads = []
+        for run in (lambda t: QuantConv2dFn.apply(t, w, None, GemmRecipe(_Identity(), torch.bfloat16), *conv),
+                    lambda t: F.conv2d(t, w, None, *conv)):
+            leaf = x.clone().requires_grad_()
+            run(leaf).backward(dy)
+            grads.append(leaf.grad)
+    finally:
+        torch.set_num_threads(threads)
+    quantized, plain = grads
+    assert quantized.dtype == torch.float32 and torch.equal(quantized.bfloat16().float(), quantized)
+    # FP32 sums (perhaps in another order), then one rounding to bf16: within half its ulp, 2**-8
+    assert ((quantized - plain).abs() <= plain.abs() * (2**-8 + 1e-6)).all()
+
+
 def test_hadamard_is_orthogonal_and_seeded() -> None:
     h = hadamard_matrix(16)
     assert torch.equal(h @ h.t(), torch.eye(16)) and set(h.abs().unique().tolist()) == {0.25}

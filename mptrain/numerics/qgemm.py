@@ -301,8 +301,11 @@ def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Ten
         # The input gradient alone, given the saved x as autograd's conv backward is. Not the expanded
         # placeholder torch.nn.grad.conv2d_input passes: aten copied it to a contiguous x-sized tensor
         # on every call (+20-40 us a layer on a CPU), and a channels-last layer's dx came out NCHW, summed
-        # in another order than the plain conv's backward.
-        dx = torch.ops.aten.convolution_backward(_as(gl.to(cd), dy), x, _as(wl.to(cd), w), None, stride, padding,
+        # in another order than the plain conv's backward. x's values are not read, only its shape,
+        # strides and dtype, which must be the products' (bf16 products): with FP32 x, aten's CPU path
+        # for small maps on one thread refused it ("expected scalar type Float but found BFloat16").
+        xd = x if x.dtype == cd else torch.empty_like(x, dtype=cd)
+        dx = torch.ops.aten.convolution_backward(_as(gl.to(cd), dy), xd, _as(wl.to(cd), w), None, stride, padding,
                                                  dilation, False, [0], 1, (True, False, False))[0]  # fmt: skip
         dx = _scale_(dx.float(), gs, ws).to(x.dtype)
     if needs[1]:
