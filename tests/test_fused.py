@@ -343,7 +343,8 @@ def test_bitcasts_compile_to_vector_casts_with_the_same_bits() -> None:
     def to_bf16(x: torch.Tensor) -> torch.Tensor:  # with a bf16 output, two FP32 vectors a step
         return ((x.view(torch.int32) + 0x7FFF) & -65536).view(torch.float32).to(torch.bfloat16)
 
-    x = adversarial(16, 37, seed=21).flatten()  # 592 = 37 vectors of 16 (74 of 8), and a NaN with a payload:
+    x = adversarial(16, 37, seed=21).flatten()[:-3]  # 589: 36 vectors of 16 and 13 (73 of 8 and 5)
+    # and a NaN with a payload:
     x[7] = torch.tensor(0x7FC0_1234, dtype=torch.int32).view(torch.float32)
     for f in (body, to_bf16):
         code: list[str] = []
