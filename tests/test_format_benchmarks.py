@@ -446,3 +446,67 @@ def test_the_latest_runs_in_prose_are_their_data() -> None:
     nv = [rows["resnet50/8", "nvfp4"]["vs_fp32_cpu"] for rows in (run, repeat)]
     assert_in_notes([f"(ResNet-50/8 {min(resnet):.2f}× to {max(resnet):.2f}× FP32, NVFP4 {nv[0]:.2f}× and "
                      f"{nv[1]:.2f}×)"], "README.md")
+
+
+# The Xeon with AMX: every cell before vector_bitcasts (a14e134), then after it (1df06b2) and its ResNet repeat
+AMX_RUNS = ("cpu-2026-11-29-amx-formats-a14e134", "cpu-2026-11-29-amx-formats-1df06b2",
+            "cpu-2026-11-29-amx-resnet-1df06b2")
+
+
+def amx_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on the Xeon with AMX: its table (before, after, the repeat)
+    and its figures, against the EPYC's run at bdfab33 where it compares them."""
+    before, after, repeat = (keyed_rows(n) for n in AMX_RUNS)
+    epyc = keyed_rows(LATEST_RUNS[0])
+
+    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+    def q(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['gap']['quantizers_ms']:.1f} ms"
+
+    out, missed_before, met_after = [], 0, 0
+    for key, limit in FORMAT_TARGETS.items():
+        now = [rows[key]["vs_fp32_cpu"] for rows in (after, repeat) if key in rows]
+        met = all(v <= limit for v in now)
+        missed_before += before[key]["vs_fp32_cpu"] > limit
+        met_after += met
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(before, key)} | {ratio(after, key)} | "
+                   f"{ratio(repeat, key)} | {'yes' if met else 'no'} |")
+    mx8, mx8_big, hyb = ("mlp 4x1024 b128", "mxfp8"), ("mlp 4x1024 b1024", "mxfp8"), ("mlp 4x1024 b128", "fp8 hybrid")
+    nv, row, res = ("resnet50/8", "nvfp4"), ("resnet50/8", "fp8 hybrid rowwise"), ("resnet50/8", "mxfp8")
+    f32 = ("mlp 4x1024 b128", "fp32"), ("mlp 4x1024 b1024", "fp32"), ("resnet50/8", "fp32")
+    bf = [(m, f"{b} bf16") for m in ("mlp 4x1024 b128", "mlp 4x1024 b1024") for b in ("amp", "mxfp8")]
+    out += [
+        f"missed {missed_before} of its {len(FORMAT_TARGETS)} targets",
+        f"MXFP8's quantizers took {q(before, mx8)} of the MLP's step at batch 128 (the EPYC's: {q(epyc, mx8)}) "
+        f"and {q(before, mx8_big)} at batch 1024 (the EPYC's: {q(epyc, mx8_big)})",
+        f"{q(after, mx8)} and {q(after, mx8_big)}",
+        f"met {met_after} of the {len(FORMAT_TARGETS)} targets in both runs",
+        f"FP8 hybrid at batch 128 ({ratio(after, hyb)}; its quantizers {q(after, hyb)}, the EPYC's {q(epyc, hyb)})",
+        f"row-wise FP8 ({ratio(after, row)} and {ratio(repeat, row)}) and NVFP4 ({ratio(after, nv)} and "
+        f"{ratio(repeat, nv)}) on ResNet-50/8",
+        "FP32's step took " + ", ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32)
+        + " here (MLP at batch 128 and 1024, ResNet-50/8) and "
+        + ", ".join(f"{epyc[k]['step_ms_cpu']:.1f} ms" for k in f32) + " on the EPYC",
+        f"MXFP8's step on ResNet-50/8 spent {q(after, res)} in its quantizers and "
+        f"{after[res]['gap']['other_ms']:.1f} ms in the rest of its gap (the EPYC's: {q(epyc, res)} and "
+        f"{epyc[res]['gap']['other_ms']:.1f} ms)",
+        "bf16 autocast costs " + " and ".join(ratio(after, k) for k in bf[0::2]) + " of FP32's step on the MLP, and "
+        "MXFP8 with bf16 products " + " and ".join(ratio(after, k) for k in bf[1::2]),
+        f"On ResNet-50/8 bf16 autocast measured {ratio(after, ('resnet50/8', 'amp bf16'))} and "
+        f"{ratio(repeat, ('resnet50/8', 'amp bf16'))}, and MXFP8 with bf16 products "
+        f"{ratio(after, ('resnet50/8', 'mxfp8 bf16'))} and {ratio(repeat, ('resnet50/8', 'mxfp8 bf16'))}",
+    ]
+    return out
+
+
+def test_the_amx_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(amx_phrases())
+    before, after, repeat = (keyed_rows(n) for n in AMX_RUNS)
+    missed = sum(before[k]["vs_fp32_cpu"] > v for k, v in FORMAT_TARGETS.items())
+    met = sum(all(r[k]["vs_fp32_cpu"] <= v for r in (after, repeat) if k in r) for k, v in FORMAT_TARGETS.items())
+    n, bf = len(FORMAT_TARGETS), after["mlp 4x1024 b1024", "mxfp8 bf16"]["vs_fp32_cpu"]
+    assert_in_notes([f"{missed} of {n} targets missed before `compiled_calls.vector_bitcasts`, {met} of {n} met "
+                     "after it. With AMX, MXFP8 with bf16 products (`precision.emulated_compute=bf16`) took "
+                     f"{bf:.2f}× FP32's step on the MLP at batch 1024"], "README.md")
