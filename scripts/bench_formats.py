@@ -57,7 +57,7 @@ MPTRAIN: dict[str, Any] = {
 # Not in the default set (--modes names them): what a CPU with native bf16 (AVX512-BF16, AMX) can
 # do instead of FP32. "amp bf16" is precision=mixed there; the others multiply the quantized values
 # in bf16 (precision.emulated_compute=bf16), which holds them exactly, so only the GEMM's kernel and
-# its order of adds change (mptrain.numerics.mx.dequantize's caveat: MX scales at or below 2^-118).
+# its order of adds change (down to mx.bf16_exact_min_scale_exponent's block scale).
 EXTRA: dict[str, Any] = {
     "amp bf16": PrecisionConfig(name="amp_bf16"),
     "mxfp8 bf16": MXPrecisionConfig(name="mx", format="mxfp8", emulated_compute="bf16"),

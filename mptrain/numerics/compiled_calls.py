@@ -62,8 +62,8 @@ _CACHEABLE = {"unsafe_marked_cacheable_functions": {"torch._check": torch.__vers
 def vector_bitcasts() -> None:
     """Inductor's C++ backend writes a vectorised bitcast (``Tensor.view(dtype)``, which the kernel
     bodies use on every element: exponents, signs, amaxes from the bits) as a per-lane scalar loop:
-    the vector stored to a buffer, each lane cast, the result loaded back. Every torch up to 2.15 does
-    (``CppVecOverrides`` has no ``to_dtype_bitcast``). What that costs is up to the C++ compiler,
+    the vector stored to a buffer, each lane cast, the result loaded back: torch 2.11 and 2.14 do
+    (``CppVecOverrides`` has no ``to_dtype_bitcast`` of its own). What that costs is up to the C++ compiler,
     which inductor runs with ``-march=native``: on the AMD EPYC of docs/benchmarks the quantizers
     met issue 24's targets, and on a Xeon with AMX, compiled for it, they took several times as long
     and missed every one (docs/benchmarks/README.md, "An Intel Xeon with AMX").
