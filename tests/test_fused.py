@@ -19,7 +19,7 @@ import torch
 from fused_cases import CUDA, adversarial, as_a_fresh_process, assert_same, block_cases, both, fused_on
 from torch import nn
 
-from mptrain.numerics import compiled_calls, fused, fused_kernels, mx
+from mptrain.numerics import compiled_calls, fused, fused_kernels, mx, rounding_rng
 from mptrain.numerics import formats as nf
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
 from mptrain.numerics.qgemm import (
@@ -358,6 +358,38 @@ def test_bitcasts_compile_to_vector_casts_with_the_same_bits() -> None:
         assert "at::vec::Vectorized" in cpp  # a vector kernel: the bitcasts in it...
         assert "c10::bit_cast" not in cpp  # ...not cast lane by lane
     assert "VectorizedN<int32_t" in cpp  # to_bf16's: FP32 as two vectors a step
+
+
+def test_index_vectors_compile_to_a_broadcast_plus_a_constant() -> None:
+    """Stochastic rounding hashes each element's index (``torch.arange`` in the kernel body). Inductor
+    wrote an index vector as ``Vectorized::arange(base, step)``, built from 16 scalars every loop step:
+    on a Xeon with AMX the index alone took longer to write than a copy. ``compiled_calls.vector_iota``
+    writes it as the base broadcast plus a constant ``arange(0, step)``: the same lanes, and the
+    same random bits, at steps 1 and 3 and in the tail of a length no multiple of the vector."""
+    import re
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.utils import fresh_cache
+
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("no vector ISA: inductor writes scalar loops")
+
+    def body(x: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        index = torch.arange(x.shape[0], dtype=torch.int32, device=x.device)
+        return rounding_rng.uniform_from_index(index, keys[0], keys[1]) + x, index * 3 + 1
+
+    x = torch.randn(589, generator=torch.Generator().manual_seed(3))  # 36 vectors of 16 and 13
+    code: list[str] = []
+    with fresh_cache(), mock.patch.object(GraphLowering, "save_output_code", code.append):
+        fn = torch.compile(body, fullgraph=True, dynamic=True,
+                           backend=compiled_calls._Inductor(compiled_calls._EAGER_NUMERICS))
+        keys = torch.tensor([11, -7], dtype=torch.int32)
+        got, want = fn(x, keys), body(x, keys)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    bases = re.findall(r"Vectorized<int32_t>::arange\(([^,]+),", "\n".join(code))
+    assert bases and set(bases) == {"0"}  # each index vector: a constant plus a broadcast
 
 
 # One process of test_code_compiled_for_one_vector_isa_is_not_loaded_for_another: the fused
