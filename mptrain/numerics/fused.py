@@ -209,8 +209,9 @@ def _stream(x: Tensor, stochastic: bool, generator: Any, draws: int = 1) -> tupl
 
 
 def _fits(fmt: ElementFormat) -> bool:
-    # the element kernel builds 2**k from the exponent bits, for |k| <= 126: every format but bf16
-    return fmt.emin >= -126 and fmt.emax <= 126
+    # the element kernel builds 2**k from the exponent bits, for |k| <= 126 (k = e and e - mbits
+    # for e in [emin, emax]): every format but bf16
+    return fmt.emin - fmt.mbits >= -126 and fmt.emax <= 126
 
 
 def _by_stride(x: Tensor) -> list[int]:

@@ -65,11 +65,13 @@ def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
         # ops of the scale-round-scale path, every step still exact.
         c = ((a.view(torch.int32) & 0x7F800000).clamp(min=pi[2]) + pi[3]).view(torch.float32)
         return _with_sign((a + c) - c, xf)
+    # a / spacing and back, each by one power of two built from the exponent bits (2**(mbits - e),
+    # 2**(e - mbits)); rounding up is a select of down + 1 (a mask turned into 0/1 took three ops)
     e = torch.clamp(_exponent(a), pi[0], pi[1])
-    scaled = a * _pow2(-e) * pf[1]
+    scaled = a * ((pi[4] - e) << 23).view(torch.float32)
     down = torch.floor(scaled)
-    r = down + (u < scaled - down).float()
-    return _with_sign(r * pf[2] * _pow2(e), xf)
+    r = torch.where(scaled - down > u, down + 1, down)
+    return _with_sign(r * ((e + pi[5]) << 23).view(torch.float32), xf)
 
 
 def _with_sign(m: Tensor, x: Tensor) -> Tensor:
@@ -82,7 +84,7 @@ def _overflow(xf: Tensor, q: Tensor, pf: Tensor, stochastic: bool) -> Tensor:
     """``saturate=False``: what leaves the format becomes Inf (or NaN); see ``formats.overflows``."""
     a = xf.abs()
     over = a > pf[0] if stochastic else torch.where(pf[5] > 0, a > pf[3], a >= pf[3])
-    return torch.where(over, torch.copysign(pf[4].expand_as(xf), xf), q)
+    return torch.where(over, _with_sign(pf[4].expand_as(xf), xf), q)
 
 
 def _arange(n: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -248,8 +250,9 @@ def _static(fmt: ElementFormat) -> tuple[tuple[float, ...], tuple[int, ...]]:
 
 
 def _ints(fmt: ElementFormat) -> tuple[int, ...]:
-    """[emin, emax, emin's FP32 exponent field, (23 - mbits) in the exponent field]: ``_round``'s."""
-    return fmt.emin, fmt.emax, (fmt.emin + 127) << 23, (23 - fmt.mbits) << 23
+    """[emin, emax, emin's FP32 exponent field, (23 - mbits) in the exponent field, 127 + mbits,
+    127 - mbits]: ``_round``'s."""
+    return fmt.emin, fmt.emax, (fmt.emin + 127) << 23, (23 - fmt.mbits) << 23, 127 + fmt.mbits, 127 - fmt.mbits
 
 
 def _kept(*per_block: Tensor) -> tuple[Tensor, ...]:
