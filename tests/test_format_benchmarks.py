@@ -510,3 +510,63 @@ def test_the_amx_runs_in_prose_are_their_data() -> None:
     assert_in_notes([f"{missed} of {n} targets missed before `compiled_calls.vector_bitcasts`, {met} of {n} met "
                      "after it. With AMX, MXFP8 with bf16 products (`precision.emulated_compute=bf16`) took "
                      f"{bf:.2f}× FP32's step on the MLP at batch 1024"], "README.md")
+
+
+# The Xeon with AMX again: every cell after stochastic rounding's kernels were cut down (fc8413e), its
+# ResNet repeat, and ResNet-50/8 with the ISA capped to AVX2 before (07ca3d5) and after
+AMX_SR_RUNS = ("cpu-2026-11-30-amx-formats-fc8413e", "cpu-2026-11-30-amx-resnet-fc8413e")
+AMX_CAPPED_RUNS = ("cpu-2026-11-30-amx-capped-avx2-resnet-07ca3d5", "cpu-2026-11-30-amx-capped-avx2-resnet-fc8413e")
+
+
+def amx_sr_phrases() -> list[str]:
+    """docs/benchmarks/README.md's section on the Xeon with AMX after fc8413e: its table (1df06b2 and
+    its repeat, fc8413e and its repeat) and its figures."""
+    before, before_repeat = keyed_rows(AMX_RUNS[1]), keyed_rows(AMX_RUNS[2])
+    after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
+    capped_before, capped_after = (keyed_rows(n) for n in AMX_CAPPED_RUNS)
+
+    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+    out, met_after, missed = [], 0, []
+    for key, limit in FORMAT_TARGETS.items():
+        met = all(rows[key]["vs_fp32_cpu"] <= limit for rows in (after, repeat) if key in rows)
+        met_after += met
+        if not met:
+            missed.append(key)
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(before, key)} | {ratio(before_repeat, key)} | "
+                   f"{ratio(after, key)} | {ratio(repeat, key)} | {'yes' if met else 'no'} |")
+    hyb, hyb_big = ("mlp 4x1024 b128", "fp8 hybrid"), ("mlp 4x1024 b1024", "fp8 hybrid")
+    nv, row = ("resnet50/8", "nvfp4"), ("resnet50/8", "fp8 hybrid rowwise")
+    f32 = [("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")]
+    gap = after[hyb]["gap"]
+    out += [
+        f"met {met_after} of the {len(FORMAT_TARGETS)} targets in both runs",
+        f"FP8 hybrid at batch 128 ({ratio(after, hyb)}), row-wise FP8 ({ratio(after, row)} and "
+        f"{ratio(repeat, row)}) and NVFP4 ({ratio(after, nv)} and {ratio(repeat, nv)}) on ResNet-50/8",
+        f"quantizers took {gap['quantizers_ms']:.1f} ms of its {gap['gap_ms']:.1f} ms gap to FP32 "
+        f"({before[hyb]['gap']['quantizers_ms']:.1f} ms of {before[hyb]['gap']['gap_ms']:.1f} ms at 1df06b2), "
+        f"in {after[hyb]['gap']['quantizer_calls']} calls",
+        f"At batch 1024 the same mode measured {ratio(before, hyb_big)} and {ratio(after, hyb_big)}",
+        "took " + " and ".join(f"{before[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at 1df06b2, "
+        + " and ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at fc8413e",
+        f"row-wise FP8 {ratio(capped_before, row)} and NVFP4 {ratio(capped_before, nv)} at 07ca3d5, and "
+        f"{ratio(capped_after, row)} and {ratio(capped_after, nv)} at fc8413e",
+    ]
+    return out
+
+
+def test_the_amx_runs_after_fc8413e_in_prose_are_their_data() -> None:
+    assert_in_notes(amx_sr_phrases())
+    # "Every ResNet-50/8 mode measured lower than at 1df06b2": each run against its counterpart
+    runs = [(keyed_rows(a), keyed_rows(b)) for a, b in zip(AMX_RUNS[1:], AMX_SR_RUNS, strict=True)]
+    for before, after in runs:
+        for key in (k for k in FORMAT_TARGETS if k[0] == "resnet50/8"):
+            assert after[key]["vs_fp32_cpu"] < before[key]["vs_fp32_cpu"], key
+    after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
+    met = sum(all(r[k]["vs_fp32_cpu"] <= v for r in (after, repeat) if k in r) for k, v in FORMAT_TARGETS.items())
+    hyb = after["mlp 4x1024 b128", "fp8 hybrid"]["vs_fp32_cpu"]
+    assert_in_notes([f"{met} of {len(FORMAT_TARGETS)} targets met in both runs, as before; FP8 hybrid at batch "
+                     f"128 measured {hyb:.2f}×, against ≤ 1.6×"], "README.md")
+    # the capped runs are the AVX2 path of this CPU
+    assert {benchmark(n)["info"]["cpu_capability"] for n in AMX_CAPPED_RUNS} == {"AVX2"}
