@@ -570,3 +570,19 @@ def test_the_amx_runs_after_fc8413e_in_prose_are_their_data() -> None:
                      f"128 measured {hyb:.2f}×, against ≤ 1.6×"], "README.md")
     # the capped runs are the AVX2 path of this CPU
     assert {benchmark(n)["info"]["cpu_capability"] for n in AMX_CAPPED_RUNS} == {"AVX2"}
+
+
+def test_the_sr_kernels_side_by_side_in_prose_are_their_data() -> None:
+    rows = {r["kind"].split(" (")[1].rstrip(")"): r for r in benchmark("cpu-2026-11-30-amx-sr-kernels")["rows"]}
+    grad, small, master = rows["a weight gradient"], rows["an activation gradient"], rows["a master weight"]
+
+    def ms(row: dict[str, Any]) -> str:
+        return f"{row['ms_cpu']['before']:.3f} ms"
+
+    assert_in_notes([
+        f"1M weight gradient took {ms(grad)} before and {grad['ms_cpu']['after']:.3f} ms after "
+        f"({grad['after_vs_before']:.2f}×), of a 128K activation gradient {small['after_vs_before']:.2f}×; the FP16 "
+        f"master weight's write-back in place {ms(master)} and {master['ms_cpu']['after']:.3f} ms "
+        f"({master['after_vs_before']:.2f}×)",
+    ])
+    assert all(r["after_vs_before"] < 1 for r in rows.values())
