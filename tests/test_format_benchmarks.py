@@ -547,7 +547,8 @@ def amx_sr_phrases() -> list[str]:
         f"quantizers took {gap['quantizers_ms']:.1f} ms of its {gap['gap_ms']:.1f} ms gap to FP32 "
         f"({before[hyb]['gap']['quantizers_ms']:.1f} ms of {before[hyb]['gap']['gap_ms']:.1f} ms at 1df06b2), "
         f"in {after[hyb]['gap']['quantizer_calls']} calls",
-        f"At batch 1024 the same mode measured {ratio(before, hyb_big)} and {ratio(after, hyb_big)}",
+        f"At batch 1024 the same mode measured {ratio(before, hyb_big)} at 1df06b2 and {ratio(after, hyb_big)} at "
+        "fc8413e",
         "took " + " and ".join(f"{before[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at 1df06b2, "
         + " and ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at fc8413e",
         f"row-wise FP8 {ratio(capped_before, row)} and NVFP4 {ratio(capped_before, nv)} at 07ca3d5, and "
