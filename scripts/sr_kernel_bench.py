@@ -46,19 +46,26 @@ from mptrain.numerics import fused_kernels as fk
 _INDUCTOR_ARANGE = CppVecKernel.arange  # before any kernel compiles, so before vector_iota
 
 
+def _pow2(k: Tensor) -> Tensor:
+    """2**k for an integer k in [-126, 127], from the exponent bits (the library's before fc8413e)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
 def _round_before(xf: Tensor, pf: Any, pi: Any, u: Tensor) -> Tensor:
-    """``fused_kernels._round``'s stochastic path as it was before fc8413e."""
+    """``fused_kernels._round``'s stochastic path as it was before fc8413e. Its 2**mbits and
+    2**-mbits were format constants then; here they come from the constants' exponent fields
+    (``pi[4]``, ``pi[5]``): one scalar each a loop step, not a vector op."""
     a = xf.abs().clamp(max=pf[0])
     e = torch.clamp(fk._exponent(a), pi[0], pi[1])
-    scaled = a * fk._pow2(-e) * pf[1]
+    scaled = a * _pow2(-e) * (pi[4] << 23).view(torch.float32)
     down = torch.floor(scaled)
     r = down + (u < scaled - down).float()
-    return fk._with_sign(r * pf[2] * fk._pow2(e), xf)
+    return fk._with_sign(r * (pi[5] << 23).view(torch.float32) * _pow2(e), xf)
 
 
 def _overflow_before(xf: Tensor, q: Tensor, pf: Tensor) -> Tensor:
     """``fused_kernels._overflow`` (stochastic) as it was before fc8413e."""
-    return torch.where(xf.abs() > pf[0], torch.copysign(pf[4].expand_as(xf), xf), q)
+    return torch.where(xf.abs() > pf[0], torch.copysign(pf[2].expand_as(xf), xf), q)
 
 
 # Under the library bodies' own parameter names: a direct call (compiled_calls._Direct) maps the

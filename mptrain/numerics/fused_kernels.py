@@ -28,15 +28,13 @@ _params: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
 
 def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
     """A format's constants as kernel arguments, made once per device (no copy per call):
-    float32 [max, 2**mbits, 2**-mbits, overflow threshold, overflow value, max's code is even]
-    and int32 ``_ints(fmt)``."""
+    float32 [max, overflow threshold, overflow value, max's code is even] and int32 ``_ints(fmt)``."""
     key = (fmt.name, str(device))
     found = _params.get(key)
     if found is None:
         threshold = fmt.max_normal + 2.0 ** (fmt.emax - fmt.mbits - 1)
-        pf = torch.tensor([fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits, threshold,
-                           math.inf if fmt.has_inf else math.nan, float(nf.max_code_is_even(fmt))],
-                          dtype=torch.float32, device=device)  # fmt: skip
+        pf = torch.tensor([fmt.max_normal, threshold, math.inf if fmt.has_inf else math.nan,
+                           float(nf.max_code_is_even(fmt))], dtype=torch.float32, device=device)  # fmt: skip
         pi = torch.tensor(_ints(fmt), dtype=torch.int32, device=device)
         found = _params[key] = (pf, pi)
     return found
@@ -46,11 +44,6 @@ def _exponent(a: Tensor) -> Tensor:
     """floor(log2(a)) for finite a > 0 from the float's exponent bits; -127 for 0 and subnormals
     (callers clamp it far above that). The same value frexp gives, as plain integer ops."""
     return ((a.view(torch.int32) >> 23) & 0xFF) - 127
-
-
-def _pow2(k: Tensor) -> Tensor:
-    """2**k for an integer k in [-126, 127], straight from the exponent bits."""
-    return ((k + 127) << 23).view(torch.float32)
 
 
 def _round(xf: Tensor, pf: Any, pi: Any, u: Tensor | None) -> Tensor:
@@ -83,8 +76,8 @@ def _with_sign(m: Tensor, x: Tensor) -> Tensor:
 def _overflow(xf: Tensor, q: Tensor, pf: Tensor, stochastic: bool) -> Tensor:
     """``saturate=False``: what leaves the format becomes Inf (or NaN); see ``formats.overflows``."""
     a = xf.abs()
-    over = a > pf[0] if stochastic else torch.where(pf[5] > 0, a > pf[3], a >= pf[3])
-    return torch.where(over, _with_sign(pf[4].expand_as(xf), xf), q)
+    over = a > pf[0] if stochastic else torch.where(pf[3] > 0, a > pf[1], a >= pf[1])
+    return torch.where(over, _with_sign(pf[2].expand_as(xf), xf), q)
 
 
 def _arange(n: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
@@ -246,7 +239,7 @@ def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) ->
 
 def _static(fmt: ElementFormat) -> tuple[tuple[float, ...], tuple[int, ...]]:
     """A format's constants as Python numbers, folded into the kernel (NVFP4's fixed E4M3 scales)."""
-    return (fmt.max_normal, 2.0**fmt.mbits, 2.0**-fmt.mbits), _ints(fmt)
+    return (fmt.max_normal,), _ints(fmt)
 
 
 def _ints(fmt: ElementFormat) -> tuple[int, ...]:
