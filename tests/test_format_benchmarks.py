@@ -516,6 +516,7 @@ def test_the_amx_runs_in_prose_are_their_data() -> None:
 # ResNet repeat, and ResNet-50/8 with the ISA capped to AVX2 before (07ca3d5) and after
 AMX_SR_RUNS = ("cpu-2026-11-30-amx-formats-fc8413e", "cpu-2026-11-30-amx-resnet-fc8413e")
 AMX_CAPPED_RUNS = ("cpu-2026-11-30-amx-capped-avx2-resnet-07ca3d5", "cpu-2026-11-30-amx-capped-avx2-resnet-fc8413e")
+SLOW_HOST_RUN = "cpu-2026-11-30-slow-host-formats-d1bab46"  # the same VM and kernels as AMX_SR_RUNS, later
 
 
 def amx_sr_phrases() -> list[str]:
@@ -587,3 +588,43 @@ def test_the_sr_kernels_side_by_side_in_prose_are_their_data() -> None:
         f"({master['after_vs_before']:.2f}×)",
     ])
     assert all(r["after_vs_before"] < 1 for r in rows.values())
+
+
+def test_the_slow_host_run_in_prose_is_its_data() -> None:
+    """docs/benchmarks/README.md's section on the Xeon two hours later: its table (fc8413e, its repeat,
+    the slower host's run) and its figures."""
+    after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
+    slow = keyed_rows(SLOW_HOST_RUN)
+
+    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+    rows, met = [], 0
+    for key, limit in FORMAT_TARGETS.items():
+        ok = slow[key]["vs_fp32_cpu"] <= limit
+        met += ok
+        rows.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(after, key)} | {ratio(repeat, key)} | "
+                    f"{ratio(slow, key)} | {'yes' if ok else 'no'} |")
+        # "Every ratio in the table rose"
+        assert all(slow[key]["vs_fp32_cpu"] > r[key]["vs_fp32_cpu"] for r in (after, repeat) if key in r), key
+    f32 = [("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")]
+    nv = slow["resnet50/8", "nvfp4"]["gap"]
+    spread = slow["mlp 4x1024 b128", "fp32"]["spread_cpu"]
+    assert_in_notes([
+        *rows,
+        "FP32's steps took " + " and ".join(f"{slow[k]['step_ms_cpu']:.1f} ms" for k in f32)
+        + " (MLP at batch 128, ResNet-50/8), against " + " and ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32)
+        + f" at fc8413e. FP32's own step times at batch 128 spread by {100 * spread:.0f}% of their median.",
+        f"**{met} of the {len(FORMAT_TARGETS)} targets met in this run**",
+        f"the NVFP4 ResNet-50/8 gap was {nv['gap_ms']:.1f} ms here (quantizers {nv['quantizers_ms']:.1f} ms, the "
+        f"rest {nv['other_ms']:.1f} ms)",
+    ])
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+    assert_in_notes([f"two hours later, its host slower, {words[len(FORMAT_TARGETS) - met]} were not with the same "
+                     "kernels"])
+    res = [rows[("resnet50/8", "fp32")]["step_ms_cpu"] for rows in (slow, after)]
+    assert_in_notes([f"(FP32's ResNet-50/8 step {res[0]:.1f} ms, against {res[1]:.1f} ms): {met} of "
+                     f"{len(FORMAT_TARGETS)} targets met"], "README.md")
+    # the same VM and library as AMX_SR_RUNS: the CPU and torch it names are theirs
+    infos = [benchmark(n)["info"] for n in (*AMX_SR_RUNS, SLOW_HOST_RUN)]
+    assert len({(i["device_name"], i["cpu_capability"], i["versions"]["torch"]) for i in infos}) == 1
