@@ -17,6 +17,11 @@ from bench_notes import AVX512_RUNS, FORMAT_TARGETS, assert_in_notes, benchmark,
 FORMATS_BENCH = "docs/benchmarks/cpu-2026-11-27-fused-formats-7.json"
 
 
+def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
+    """A table cell: the run's step time against FP32's, or "-" where the run has no such row."""
+    return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
+
+
 def formats_benchmark_rows(path: str = FORMATS_BENCH) -> list[str]:
     """docs/benchmarks/README.md's table of issue 24's CPU targets, from the benchmark's own file."""
     data = json.loads((Path(__file__).resolve().parents[1] / path).read_text())
@@ -316,9 +321,6 @@ def avx512_phrases() -> list[str]:
     run, repeat = (keyed_rows(n) for n in AVX512_RUNS)
     seventh, seventh_repeat = (keyed_rows(f"cpu-2026-11-27-fused-formats-7{s}") for s in ("", "-resnet-repeat"))
 
-    def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
-        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
-
     out = []
     for key, limit in FORMAT_TARGETS.items():
         now = [rows[key]["vs_fp32_cpu"] for rows in (run, repeat) if key in rows]
@@ -408,9 +410,6 @@ def latest_phrases() -> list[str]:
     run, repeat = (keyed_rows(n) for n in LATEST_RUNS)
     then, then_repeat = (keyed_rows(n) for n in AVX512_RUNS)
 
-    def cell(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
-        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
-
     out = []
     for key, limit in FORMAT_TARGETS.items():
         now = [rows[key]["vs_fp32_cpu"] for rows in (run, repeat) if key in rows]
@@ -459,9 +458,6 @@ def amx_phrases() -> list[str]:
     before, after, repeat = (keyed_rows(n) for n in AMX_RUNS)
     epyc = keyed_rows(LATEST_RUNS[0])
 
-    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
-        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
-
     def q(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
         return f"{rows[key]['gap']['quantizers_ms']:.1f} ms"
 
@@ -471,8 +467,8 @@ def amx_phrases() -> list[str]:
         met = all(v <= limit for v in now)
         missed_before += before[key]["vs_fp32_cpu"] > limit
         met_after += met
-        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(before, key)} | {ratio(after, key)} | "
-                   f"{ratio(repeat, key)} | {'yes' if met else 'no'} |")
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(before, key)} | {cell(after, key)} | "
+                   f"{cell(repeat, key)} | {'yes' if met else 'no'} |")
     mx8, mx8_big, hyb = ("mlp 4x1024 b128", "mxfp8"), ("mlp 4x1024 b1024", "mxfp8"), ("mlp 4x1024 b128", "fp8 hybrid")
     nv, row, res = ("resnet50/8", "nvfp4"), ("resnet50/8", "fp8 hybrid rowwise"), ("resnet50/8", "mxfp8")
     f32 = ("mlp 4x1024 b128", "fp32"), ("mlp 4x1024 b1024", "fp32"), ("resnet50/8", "fp32")
@@ -483,20 +479,20 @@ def amx_phrases() -> list[str]:
         f"and {q(before, mx8_big)} at batch 1024 (the EPYC's: {q(epyc, mx8_big)})",
         f"{q(after, mx8)} and {q(after, mx8_big)}",
         f"met {met_after} of the {len(FORMAT_TARGETS)} targets in both runs",
-        f"FP8 hybrid at batch 128 ({ratio(after, hyb)}; its quantizers {q(after, hyb)}, the EPYC's {q(epyc, hyb)})",
-        f"row-wise FP8 ({ratio(after, row)} and {ratio(repeat, row)}) and NVFP4 ({ratio(after, nv)} and "
-        f"{ratio(repeat, nv)}) on ResNet-50/8",
+        f"FP8 hybrid at batch 128 ({cell(after, hyb)}; its quantizers {q(after, hyb)}, the EPYC's {q(epyc, hyb)})",
+        f"row-wise FP8 ({cell(after, row)} and {cell(repeat, row)}) and NVFP4 ({cell(after, nv)} and "
+        f"{cell(repeat, nv)}) on ResNet-50/8",
         "FP32's step took " + ", ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32)
         + " here (MLP at batch 128 and 1024, ResNet-50/8) and "
         + ", ".join(f"{epyc[k]['step_ms_cpu']:.1f} ms" for k in f32) + " on the EPYC",
         f"MXFP8's step on ResNet-50/8 spent {q(after, res)} in its quantizers and "
         f"{after[res]['gap']['other_ms']:.1f} ms in the rest of its gap (the EPYC's: {q(epyc, res)} and "
         f"{epyc[res]['gap']['other_ms']:.1f} ms)",
-        "bf16 autocast costs " + " and ".join(ratio(after, k) for k in bf[0::2]) + " of FP32's step on the MLP, and "
-        "MXFP8 with bf16 products " + " and ".join(ratio(after, k) for k in bf[1::2]),
-        f"On ResNet-50/8 bf16 autocast measured {ratio(after, ('resnet50/8', 'amp bf16'))} and "
-        f"{ratio(repeat, ('resnet50/8', 'amp bf16'))}, and MXFP8 with bf16 products "
-        f"{ratio(after, ('resnet50/8', 'mxfp8 bf16'))} and {ratio(repeat, ('resnet50/8', 'mxfp8 bf16'))}",
+        "bf16 autocast costs " + " and ".join(cell(after, k) for k in bf[0::2]) + " of FP32's step on the MLP, and "
+        "MXFP8 with bf16 products " + " and ".join(cell(after, k) for k in bf[1::2]),
+        f"On ResNet-50/8 bf16 autocast measured {cell(after, ('resnet50/8', 'amp bf16'))} and "
+        f"{cell(repeat, ('resnet50/8', 'amp bf16'))}, and MXFP8 with bf16 products "
+        f"{cell(after, ('resnet50/8', 'mxfp8 bf16'))} and {cell(repeat, ('resnet50/8', 'mxfp8 bf16'))}",
     ]
     return out
 
@@ -526,34 +522,31 @@ def amx_sr_phrases() -> list[str]:
     after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
     capped_before, capped_after = (keyed_rows(n) for n in AMX_CAPPED_RUNS)
 
-    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
-        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
-
     out, met_after, missed = [], 0, []
     for key, limit in FORMAT_TARGETS.items():
         met = all(rows[key]["vs_fp32_cpu"] <= limit for rows in (after, repeat) if key in rows)
         met_after += met
         if not met:
             missed.append(key)
-        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(before, key)} | {ratio(before_repeat, key)} | "
-                   f"{ratio(after, key)} | {ratio(repeat, key)} | {'yes' if met else 'no'} |")
+        out.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(before, key)} | {cell(before_repeat, key)} | "
+                   f"{cell(after, key)} | {cell(repeat, key)} | {'yes' if met else 'no'} |")
     hyb, hyb_big = ("mlp 4x1024 b128", "fp8 hybrid"), ("mlp 4x1024 b1024", "fp8 hybrid")
     nv, row = ("resnet50/8", "nvfp4"), ("resnet50/8", "fp8 hybrid rowwise")
     f32 = [("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")]
     gap = after[hyb]["gap"]
     out += [
         f"met {met_after} of the {len(FORMAT_TARGETS)} targets in both runs",
-        f"FP8 hybrid at batch 128 ({ratio(after, hyb)}), row-wise FP8 ({ratio(after, row)} and "
-        f"{ratio(repeat, row)}) and NVFP4 ({ratio(after, nv)} and {ratio(repeat, nv)}) on ResNet-50/8",
+        f"FP8 hybrid at batch 128 ({cell(after, hyb)}), row-wise FP8 ({cell(after, row)} and "
+        f"{cell(repeat, row)}) and NVFP4 ({cell(after, nv)} and {cell(repeat, nv)}) on ResNet-50/8",
         f"quantizers took {gap['quantizers_ms']:.1f} ms of its {gap['gap_ms']:.1f} ms gap to FP32 "
         f"({before[hyb]['gap']['quantizers_ms']:.1f} ms of {before[hyb]['gap']['gap_ms']:.1f} ms at 1df06b2), "
         f"in {after[hyb]['gap']['quantizer_calls']} calls",
-        f"At batch 1024 the same mode measured {ratio(before, hyb_big)} at 1df06b2 and {ratio(after, hyb_big)} at "
+        f"At batch 1024 the same mode measured {cell(before, hyb_big)} at 1df06b2 and {cell(after, hyb_big)} at "
         "fc8413e",
         "took " + " and ".join(f"{before[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at 1df06b2, "
         + " and ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at fc8413e",
-        f"row-wise FP8 {ratio(capped_before, row)} and NVFP4 {ratio(capped_before, nv)} at 07ca3d5, and "
-        f"{ratio(capped_after, row)} and {ratio(capped_after, nv)} at fc8413e",
+        f"row-wise FP8 {cell(capped_before, row)} and NVFP4 {cell(capped_before, nv)} at 07ca3d5, and "
+        f"{cell(capped_after, row)} and {cell(capped_after, nv)} at fc8413e",
     ]
     return out
 
@@ -596,15 +589,12 @@ def test_the_slow_host_run_in_prose_is_its_data() -> None:
     after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
     slow = keyed_rows(SLOW_HOST_RUN)
 
-    def ratio(rows: dict[tuple[str, str], dict[str, Any]], key: tuple[str, str]) -> str:
-        return f"{rows[key]['vs_fp32_cpu']:.2f}×" if key in rows else "-"
-
     rows, met = [], 0
     for key, limit in FORMAT_TARGETS.items():
         ok = slow[key]["vs_fp32_cpu"] <= limit
         met += ok
-        rows.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {ratio(after, key)} | {ratio(repeat, key)} | "
-                    f"{ratio(slow, key)} | {'yes' if ok else 'no'} |")
+        rows.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(after, key)} | {cell(repeat, key)} | "
+                    f"{cell(slow, key)} | {'yes' if ok else 'no'} |")
         # "Every ratio in the table rose"
         assert all(slow[key]["vs_fp32_cpu"] > r[key]["vs_fp32_cpu"] for r in (after, repeat) if key in r), key
     f32 = [("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")]
