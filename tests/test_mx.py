@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from conftest import run_job, tiny
 from omegaconf import DictConfig, OmegaConf
 from test_formats import nearest_even_reference
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mptrain.config import validate
 from mptrain.errors import MptrainError
@@ -316,7 +318,9 @@ def test_conv_dgrad_with_nothing_quantized_is_the_plain_convs(c_in: int, c_out: 
     """With a quantizer that changes nothing, the layer's input gradient is an FP32 Conv2d's under
     autograd, bit for bit and in the same memory format: dgrad is the same convolution backward, given
     the same operands (an expanded placeholder for x made a channels-last dx NCHW, summed in another
-    order). Read off a hook: a leaf's .grad is laid out like the leaf whatever backward returned."""
+    order). Read off a hook: a leaf's .grad is laid out like the leaf whatever backward returned.
+    A 1x1 convolution with stride 1 is a GEMM on a CPU (``qgemm._pointwise``): the same layout, and
+    values within FP32 rounding (a GEMM kernel may split the sum along C where the convolution does not)."""
     g = torch.Generator().manual_seed(3)
     fmt = {"nchw": torch.contiguous_format, "cl": torch.channels_last}
     x = torch.randn(8, c_in, size, size, generator=g).contiguous(memory_format=fmt[x_layout])
@@ -331,7 +335,61 @@ def test_conv_dgrad_with_nothing_quantized_is_the_plain_convs(c_in: int, c_out: 
         t.register_hook(grads.append)
         run(t).backward(dy)
     quantized, plain = grads
-    assert quantized.stride() == plain.stride() and torch.equal(quantized, plain)
+    assert quantized.stride() == plain.stride()
+    if (k, stride) == (1, 1):
+        torch.testing.assert_close(quantized, plain, rtol=1e-6, atol=1e-5)
+    else:
+        assert torch.equal(quantized, plain)
+
+
+def _dx_and_calls(x: torch.Tensor, dy: torch.Tensor, layer: Any) -> tuple[tuple[torch.Tensor, ...], list[str]]:
+    """(y, dx) of ``layer`` on a copy of x, and the aten convolution ops it called, forward and backward.
+    dx as the layer's backward returned it (a hook on a non-leaf), not as .grad lays it out."""
+    seen: list[str] = []
+
+    class Convs(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.overloadpacket.__name__.startswith("convolution"):
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    t = x.clone().requires_grad_() * 1
+    grads: list[torch.Tensor] = []
+    t.register_hook(grads.append)
+    with Convs():
+        y = layer(t)
+        y.backward(dy)
+    return (y, *grads), seen
+
+
+@pytest.mark.parametrize("layout", ["nchw", "cl"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pointwise_convs_run_as_gemms_on_a_cpu(layout: str, dtype: torch.dtype) -> None:
+    """A quantized 1x1 convolution with stride 1 and no padding makes no convolution call on a CPU:
+    fprop and dgrad are matmuls (``qgemm._pointwise``), with an FP32 convolution's values up to
+    rounding (bf16 products: the output's) and its memory format; a 3x3 one, and a 1x1 one with
+    stride 2, still convolve, in the same layout."""
+    g = torch.Generator().manual_seed(8)
+    fmt = {"nchw": torch.contiguous_format, "cl": torch.channels_last}[layout]
+    for k, stride, convolves in ((1, 1, False), (3, 1, True), (1, 2, True)):
+        # values bf16 holds, so that bf16 products differ from FP32's only by rounding the output once
+        x = torch.randn(4, 48, 6, 6, generator=g).bfloat16().float().contiguous(memory_format=fmt)
+        w = torch.randn(40, 48, k, k, generator=g).bfloat16().float()
+        conv = (stride, stride), (k // 2, k // 2), (1, 1)
+        dy = torch.randn(F.conv2d(x, w, None, *conv).shape, generator=g).bfloat16().float()
+        dy = dy.contiguous(memory_format=fmt)
+        got, quantized_calls = _dx_and_calls(x, dy, lambda t, w=w, conv=conv: QuantConv2dFn.apply(
+            t, w, None, GemmRecipe(_Identity(), dtype), *conv))
+        want, _ = _dx_and_calls(x, dy, lambda t, w=w, conv=conv: F.conv2d(t, w, None, *conv))
+        assert quantized_calls == (["convolution", "convolution_backward"] if convolves else [])
+        assert [a.stride() for a in got] == [b.stride() for b in want]
+        if convolves:
+            continue  # aten's bf16 convolutions round differently on each CPU kind: not this test's subject
+        for a, b in zip(got, want, strict=True):
+            if dtype == torch.bfloat16:  # FP32 sums rounded once to bf16: within half its ulp, 2**-8
+                assert ((a - b).abs() <= b.abs() * (2**-8 + 1e-6)).all()
+            else:  # FP32 sums, perhaps in another order
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "size", "channels_last"), [(2, 1, False), (2, 1, True), (1, 2, False), (8, 4, True)])
@@ -340,28 +398,31 @@ def test_conv_dgrad_with_bf16_products_on_one_thread(n: int, size: int, channels
     x as well, its CPU path for small maps on one thread refused the mix ("expected scalar type Float
     but found BFloat16": ResNet-50/8 at batch 2, a 1x1 conv on a 1x1 map). dx is an FP32 Conv2d's
     under autograd on the same operands (bf16 holds them: they are rounded to it first), rounded
-    once to bf16 as a bf16 GEMM's output is."""
+    once to bf16 as a bf16 GEMM's output is. Stride 2 runs aten's backward; stride 1 is a bf16
+    matmul on a CPU (``qgemm._pointwise``), held to the same."""
     g = torch.Generator().manual_seed(4)
     layout = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(n, 64, size, size, generator=g).contiguous(memory_format=layout)
     w = torch.randn(256, 64, 1, 1, generator=g).bfloat16().float()
-    dy = torch.randn(n, 256, size, size, generator=g).bfloat16().float().contiguous(memory_format=layout)
-    conv = (1, 1), (0, 0), (1, 1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        grads = []
-        for run in (lambda t: QuantConv2dFn.apply(t, w, None, GemmRecipe(_Identity(), torch.bfloat16), *conv),
-                    lambda t: F.conv2d(t, w, None, *conv)):
-            leaf = x.clone().requires_grad_()
-            run(leaf).backward(dy)
-            grads.append(leaf.grad)
-    finally:
-        torch.set_num_threads(threads)
-    quantized, plain = grads
-    assert quantized.dtype == torch.float32 and torch.equal(quantized.bfloat16().float(), quantized)
-    # FP32 sums (perhaps in another order), then one rounding to bf16: within half its ulp, 2**-8
-    assert ((quantized - plain).abs() <= plain.abs() * (2**-8 + 1e-6)).all()
+    for stride in (1, 2):
+        conv = (stride, stride), (0, 0), (1, 1)
+        dy = torch.randn(F.conv2d(x, w, None, *conv).shape, generator=g).bfloat16().float()
+        dy = dy.contiguous(memory_format=layout)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            grads = []
+            for run in (lambda t, c=conv: QuantConv2dFn.apply(t, w, None, GemmRecipe(_Identity(), torch.bfloat16), *c),
+                        lambda t, c=conv: F.conv2d(t, w, None, *c)):
+                leaf = x.clone().requires_grad_()
+                run(leaf).backward(dy)
+                grads.append(leaf.grad)
+        finally:
+            torch.set_num_threads(threads)
+        quantized, plain = grads
+        assert quantized.dtype == torch.float32 and torch.equal(quantized.bfloat16().float(), quantized)
+        # FP32 sums (perhaps in another order), then one rounding to bf16: within half its ulp, 2**-8
+        assert ((quantized - plain).abs() <= plain.abs() * (2**-8 + 1e-6)).all()
 
 
 def test_hadamard_is_orthogonal_and_seeded() -> None:

@@ -282,7 +282,7 @@ def _conv_fwd(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: GemmRecipe
     wl, ws = _conv_weight(recipe, weight, "fprop")
     # dense once: with 2D tiles dgrad takes this same operand (a kxk filter's tiles are a permuted view)
     wl = _as(wl.to(cd), weight)
-    y = F.conv2d(_as(xl.to(cd), x), wl, None, stride, padding, dilation)
+    y = _conv(_as(xl.to(cd), x), wl, stride, padding, dilation)
     y = _scale_(y.float(), xs, ws)
     if bias is not None:
         y = y + bias.float().view(1, -1, 1, 1)
@@ -304,9 +304,12 @@ def _conv_bwd(dy: Tensor, x: Tensor, w: Tensor, w_scale: Tensor | None, rot: Ten
         # in another order than the plain conv's backward. x's values are not read, only its shape,
         # strides and dtype, which must be the products' (bf16 products): with FP32 x, aten's CPU path
         # for small maps on one thread refused it ("expected scalar type Float but found BFloat16").
-        xd = x if x.dtype == cd else torch.empty_like(x, dtype=cd)
-        dx = torch.ops.aten.convolution_backward(_as(gl.to(cd), dy), xd, _as(wl.to(cd), w), None, stride, padding,
-                                                 dilation, False, [0], 1, (True, False, False))[0]  # fmt: skip
+        gl, wl = _as(gl.to(cd), dy), _as(wl.to(cd), w)
+        dx = _pointwise(gl, wl, stride, padding, transposed=True)
+        if dx is None:
+            xd = x if x.dtype == cd else torch.empty_like(x, dtype=cd)
+            dx = torch.ops.aten.convolution_backward(gl, xd, wl, None, stride, padding, dilation, False, [0], 1,
+                                                     (True, False, False))[0]  # fmt: skip
         dx = _scale_(dx.float(), gs, ws).to(x.dtype)
     if needs[1]:
         c_out, _, kh, kw = w.shape
@@ -392,8 +395,47 @@ def _as(q: Tensor, like: Tensor) -> Tensor:
     """``q`` dense in ``like``'s memory format (channels-last or contiguous). A quantizer may return
     a strided view (padded blocks, a transposed copy), and a convolution's algorithm, so the order of
     its sums, follows its operands' layout: the same layout whichever quantizer path ran."""
-    cl = like.dim() == 4 and like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
+    cl = like.dim() == 4 and _channels_last(like)
     return q.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+def _conv(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int],
+          dilation: tuple[int, int]) -> Tensor:
+    """fprop's convolution of the quantized operands (dense, in the layer's layout)."""
+    y = _pointwise(x, w, stride, padding)
+    return F.conv2d(x, w, None, stride, padding, dilation) if y is None else y
+
+
+def _pointwise(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int],
+               transposed: bool = False) -> Tensor | None:
+    """A 1x1 convolution with stride 1 and no padding (33 of ResNet-50's 53) on a CPU, as the GEMM it
+    is: W (C_out, C_in) times x's channels at every pixel, fprop or (``transposed``: x is dy, the
+    product W^T dy) dgrad; None for any other convolution, or layout, which the caller convolves.
+
+    Why: oneDNN's convolution costs tens of microseconds a call beyond its arithmetic on these small
+    layers, and twice that in an emulated step, whose quantizer kernels between the convolutions leave
+    its code and buffers out of cache (ResNet-50/8, batch 32: 190 us a call in the step against 96 us
+    replayed alone). As matmuls, ResNet-50/8's NVFP4, MXFP8, MXFP6 and row-wise FP8 steps took 4-9%
+    less time (scratch A/B, interleaved, one CPU thread). On its layers the sums came out the same
+    (weights bit-identical after 18 steps); in general a GEMM kernel may split the sum along C where
+    the convolution does not (a 512-channel dgrad differed in the last bits), and the tests hold the
+    two within FP32 rounding. Output in the convolution's layout, which follows x's (a 1x1 filter's
+    strides are the same in either)."""
+    if x.device.type != "cpu" or w.shape[2:] != (1, 1) or tuple(stride) != (1, 1) or any(padding):
+        return None
+    n, _, h, wd = x.shape
+    w2 = w.reshape(w.shape[0], w.shape[1])
+    w2 = w2.t() if transposed else w2  # (outputs, inputs) of this product
+    if _channels_last(x):  # (N*H*W, C) rows: one GEMM, its (N*H*W, C') result read back channels-last
+        return (x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]) @ w2.t()).view(n, h, wd, -1).permute(0, 3, 1, 2)
+    if not x.is_contiguous():
+        return None
+    return torch.matmul(w2, x.view(n, x.shape[1], h * wd)).view(n, -1, h, wd)  # a GEMM per image
+
+
+def _channels_last(t: Tensor) -> bool:
+    """As ``_as`` decides: channels-last and not also contiguous (a 1x1 map, a 1x1 filter are both)."""
+    return t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
 
 def _conv_weight(recipe: GemmRecipe, w: Tensor, gemm: str) -> tuple[Tensor, Tensor | None]:
