@@ -10,7 +10,9 @@ both ways, in interleaved rounds:
   as before;
 - ``gemm``: the library's path;
 
-and FP32's step beside them (which no quantized layer touches). Each way has its own model, built
+and FP32's step beside them (which no quantized layer touches). Per-tensor FP8 (``fp8 hybrid``,
+``fp8 hybrid tensor``) convolves its rounded operands through nn.Conv2d's own path, not qgemm's:
+its two ways run the same code, a control for the noise. Each way has its own model, built
 from the same seed; before the rounds, one step of each from the same state and rounding streams
 says whether the two ways' weights came out bit-identical.
 

@@ -618,3 +618,57 @@ def test_the_slow_host_run_in_prose_is_its_data() -> None:
     # the same VM and library as AMX_SR_RUNS: the CPU and torch it names are theirs
     infos = [benchmark(n)["info"] for n in (*AMX_SR_RUNS, SLOW_HOST_RUN)]
     assert len({(i["device_name"], i["cpu_capability"], i["versions"]["torch"]) for i in infos}) == 1
+
+
+GEMM_1X1_RUN = "cpu-2026-11-30-amx-formats-9e26266"  # after 1x1 convolutions became GEMMs (180d5de)
+
+
+def gemm_1x1_run_phrases() -> list[str]:
+    """docs/benchmarks/README.md's every-cell run on the Xeon after 180d5de: its table and figures."""
+    after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
+    slow, now = keyed_rows(SLOW_HOST_RUN), keyed_rows(GEMM_1X1_RUN)
+    rows, met, missed = [], 0, []
+    for key, limit in FORMAT_TARGETS.items():
+        ok = now[key]["vs_fp32_cpu"] <= limit
+        met += ok
+        if not ok:
+            missed.append(key)
+        rows.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(after, key)} | {cell(repeat, key)} | "
+                    f"{cell(slow, key)} | {cell(now, key)} | {'yes' if ok else 'no'} |")
+    names = {"fp8 hybrid": "FP8 hybrid", "fp8 hybrid rowwise": "row-wise FP8", "nvfp4": "NVFP4"}
+    models = {"mlp 4x1024 b128": "the MLP at batch 128", "resnet50/8": "ResNet-50/8"}
+    f32 = [("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")]
+    nv = now["resnet50/8", "nvfp4"]["gap"]
+    return [
+        *rows,
+        "FP32's steps took " + " and ".join(f"{now[k]['step_ms_cpu']:.1f} ms" for k in f32)
+        + " (MLP at batch 128, ResNet-50/8), against " + " and ".join(f"{after[k]['step_ms_cpu']:.1f} ms" for k in f32)
+        + " at fc8413e and " + " and ".join(f"{slow[k]['step_ms_cpu']:.1f} ms" for k in f32) + " at d1bab46",
+        f"**{met} of the {len(FORMAT_TARGETS)} targets met in this run**",
+        f"(load average {benchmark(GEMM_1X1_RUN)['info']['load_average_start'][0]} at its start)",
+        "missed: " + ", ".join(f"{names[k[1]]} on {models[k[0]]} ({cell(now, k)})" for k in missed),
+        f"the NVFP4 ResNet-50/8 gap was {nv['gap_ms']:.1f} ms (quantizers {nv['quantizers_ms']:.1f} ms, the rest "
+        f"{nv['other_ms']:.1f} ms)",
+    ]
+
+
+def test_the_run_after_1x1_gemms_in_prose_is_its_data() -> None:
+    assert_in_notes(gemm_1x1_run_phrases())
+    after, repeat = (keyed_rows(n) for n in AMX_SR_RUNS)
+    now = keyed_rows(GEMM_1X1_RUN)
+    # "The same three as at fc8413e"
+    assert ([k for k, v in FORMAT_TARGETS.items() if not all(r[k]["vs_fp32_cpu"] <= v for r in (after, repeat)
+                                                              if k in r)]
+            == [k for k, v in FORMAT_TARGETS.items() if now[k]["vs_fp32_cpu"] > v])
+    # "faster than in any earlier run of the formats benchmark on this Xeon": FP32's steps (uncapped runs)
+    for key in (("mlp 4x1024 b128", "fp32"), ("resnet50/8", "fp32")):
+        runs = [keyed_rows(n) for n in (*AMX_RUNS, *AMX_SR_RUNS, SLOW_HOST_RUN)]
+        earlier = [r[key]["step_ms_cpu"] for r in runs if key in r]
+        assert len(earlier) >= 3 and now[key]["step_ms_cpu"] < min(earlier), key
+    met = sum(now[k]["vs_fp32_cpu"] <= v for k, v in FORMAT_TARGETS.items())
+    assert_in_notes([f"on a faster host: {met} of {len(FORMAT_TARGETS)} targets met, the same three missed as before"],
+                    "README.md")
+    # "every ResNet-50/8 ratio is above fc8413e's"
+    assert all(now[k]["vs_fp32_cpu"] > after[k]["vs_fp32_cpu"] for k in FORMAT_TARGETS if k[0] == "resnet50/8")
+    infos = [benchmark(n)["info"] for n in (*AMX_SR_RUNS, SLOW_HOST_RUN, GEMM_1X1_RUN)]
+    assert len({(i["device_name"], i["cpu_capability"], i["versions"]["torch"]) for i in infos}) == 1

@@ -484,3 +484,39 @@ def fp8_bits_phrases() -> list[str]:
 
 def test_the_fp8_amax_bits_runs_in_prose_are_their_data() -> None:
     assert_in_notes(fp8_bits_phrases())
+
+
+POINTWISE_RUNS = ("cpu-2026-11-30-amx-pointwise-9e26266", "cpu-2026-11-30-amx-pointwise-9e26266-repeat")
+PER_TENSOR = ("fp8 hybrid", "fp8 hybrid tensor")  # nn.Conv2d's own convolution both ways: the control
+
+
+def pointwise_phrases() -> list[str]:
+    """The section on 1x1 convolutions as GEMMs (the Xeon with AMX): its table, and what the prose says."""
+    runs = [{r["mode"]: r for r in benchmark(n)["rows"]} for n in POINTWISE_RUNS]
+    out = []
+    for mode in runs[0]:
+        rs = [r[mode] for r in runs]
+        out.append(f"| {mode} | " + " | ".join(f"{r['gemm_vs_conv']:.3f}" for r in rs) + " | "
+                   + " | ".join(f"{r['vs_fp32_cpu']['conv']:.2f}× → {r['vs_fp32_cpu']['gemm']:.2f}×" for r in rs)
+                   + f" | {'yes' if all(r['same_weights_after_one_step'] for r in rs) else 'no'} |")
+    gains = [r[m]["gemm_vs_conv"] for r in runs for m in r if m not in PER_TENSOR]
+    control = [r[m]["gemm_vs_conv"] for r in runs for m in PER_TENSOR]
+    assert max(gains) < 1  # "less time in both runs"
+    assert all(r[m]["same_weights_after_one_step"] for r in runs for m in r)
+    out += [
+        f"the steps of every mode whose convolutions qgemm runs took {min(gains):.3f}× to {max(gains):.3f}× as long "
+        "with the GEMMs as with the convolutions, less time in both runs",
+        f"per-tensor FP8's, whose layers run the same code both ways, {min(control):.3f}× to {max(control):.3f}×",
+        "(load average {} at its start, decaying; nothing else running), the repeat on a quiet machine ({})".format(
+            *(benchmark(n)["info"]["load_average_start"][0] for n in POINTWISE_RUNS)),
+    ]
+    return out
+
+
+def test_the_pointwise_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(pointwise_phrases())
+    runs = [benchmark(n)["rows"] for n in POINTWISE_RUNS]
+    gains = [r["gemm_vs_conv"] for rows in runs for r in rows if r["mode"] not in PER_TENSOR]
+    assert_in_notes([f"NVFP4 and row-wise FP8 steps took {min(gains):.3f}× to {max(gains):.3f}× as long"], "README.md")
+    infos = [benchmark(n)["info"] for n in POINTWISE_RUNS]
+    assert {i["cpu_capability"] for i in infos} == {"AVX512"} and all("Xeon" in i["device_name"] for i in infos)

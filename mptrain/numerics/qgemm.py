@@ -413,14 +413,14 @@ def _pointwise(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int
     product W^T dy) dgrad; None for any other convolution, or layout, which the caller convolves.
 
     Why: oneDNN's convolution costs tens of microseconds a call beyond its arithmetic on these small
-    layers, and twice that in an emulated step, whose quantizer kernels between the convolutions leave
-    its code and buffers out of cache (ResNet-50/8, batch 32: 190 us a call in the step against 96 us
-    replayed alone). As matmuls, ResNet-50/8's NVFP4, MXFP8, MXFP6 and row-wise FP8 steps took 4-9%
-    less time (scratch A/B, interleaved, one CPU thread). On its layers the sums came out the same
-    (weights bit-identical after 18 steps); in general a GEMM kernel may split the sum along C where
-    the convolution does not (a 512-channel dgrad differed in the last bits), and the tests hold the
-    two within FP32 rounding. Output in the convolution's layout, which follows x's (a 1x1 filter's
-    strides are the same in either)."""
+    layers, and about twice that in an emulated step, whose quantizer kernels between the convolutions
+    leave its code and buffers out of cache (ResNet-50/8, batch 32, a scratch timing: 190 us a call in
+    the step against 96 us replayed alone). As matmuls, ResNet-50/8's MX, NVFP4 and row-wise FP8 steps
+    took 4-8% less time (scripts/pointwise_bench.py; docs/benchmarks). On its layers the sums came out
+    the same (weights bit-identical after a step); in general a GEMM kernel may split the sum along C
+    where the convolution does not (a 512-channel dgrad differed in the last bits), and the tests hold
+    the two within FP32 rounding. Output in the convolution's layout, which follows x's (a 1x1
+    filter's strides are the same in either)."""
     if x.device.type != "cpu" or w.shape[2:] != (1, 1) or tuple(stride) != (1, 1) or any(padding):
         return None
     n, _, h, wd = x.shape
