@@ -513,8 +513,18 @@ def pointwise_phrases() -> list[str]:
     return out
 
 
+CAPPED_POINTWISE_RUN = "cpu-2026-11-30-amx-capped-avx2-pointwise-03d22c8"
+
+
 def test_the_pointwise_runs_in_prose_are_their_data() -> None:
     assert_in_notes(pointwise_phrases())
+    capped = {r["mode"]: r for r in benchmark(CAPPED_POINTWISE_RUN)["rows"]}
+    gains = [r["gemm_vs_conv"] for m, r in capped.items() if m not in PER_TENSOR]
+    control = [capped[m]["gemm_vs_conv"] for m in PER_TENSOR]
+    differ = [m for m, r in capped.items() if not r["same_weights_after_one_step"]]
+    assert differ == ["mxfp8"] and benchmark(CAPPED_POINTWISE_RUN)["info"]["cpu_capability"] == "AVX2"
+    assert_in_notes([f"the qgemm modes took {min(gains):.3f}× to {max(gains):.3f}× as long with the GEMMs, the "
+                     f"per-tensor control {min(control):.3f}× and {max(control):.3f}×. There MXFP8's weights"])
     runs = [benchmark(n)["rows"] for n in POINTWISE_RUNS]
     gains = [r["gemm_vs_conv"] for rows in runs for r in rows if r["mode"] not in PER_TENSOR]
     assert_in_notes([f"NVFP4 and row-wise FP8 steps took {min(gains):.3f}× to {max(gains):.3f}× as long"], "README.md")
