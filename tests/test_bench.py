@@ -570,6 +570,20 @@ def ci_lanes(log: Path) -> list[tuple[str, float]]:
     return [(c, float(s)) for c, s in lanes]
 
 
+def test_the_capped_xeon_suite_run_in_prose_is_its_log() -> None:
+    """The suite notes' run on the Xeon capped to AVX2 (2026-11-30): counts and wall time from its log."""
+    log = ROOT / "docs" / "benchmarks" / "cpu-2026-11-30-amx-capped-avx2-suite-min-torch-2-workers-cold-3f7466c.log"
+    last = log.read_text().strip().splitlines()[-1]
+    found = re.fullmatch(r"(\d+) passed, (\d+) skipped(?:, \d+ warnings)? in ([\d.]+)s \(\S+\)", last)
+    assert found, last
+    wall = minutes(float(found[3]))
+    (_, t11), (_, t15) = ci_lanes(ROOT / "docs" / "benchmarks" / "cpu-2026-11-28-avx2-ci-577bcad.log")
+    assert_in_suite_notes([
+        f"{found[1]} passed, {found[2]} skipped in {wall}, nothing else running",
+        f"last clean-clone CI run took {minutes(t11)} and {minutes(t15)} (the two lanes, at 577bcad)",
+    ])
+
+
 def assert_in_suite_notes(quotes: list[str]) -> None:
     notes = " ".join((ROOT / "docs" / "benchmarks" / "cpu-2026-11-27-avx2-suite.md").read_text().split())
     missing = [q for q in quotes if " ".join(q.split()) not in notes]
