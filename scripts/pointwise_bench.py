@@ -3,7 +3,7 @@ in one process, on a CPU.
 
 On a CPU the quantized layers run a 1x1 convolution with stride 1 and no padding as the matmul it is
 (``qgemm._pointwise``): oneDNN's convolution costs tens of microseconds a call beyond its arithmetic
-on these small layers, twice that inside an emulated step. This times every mode's training step
+on these small layers, about twice that inside an emulated step. This times every mode's training step
 both ways, in interleaved rounds:
 
 - ``conv``: every quantized convolution through aten's convolution (``_pointwise`` finds nothing),
