@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mptrain.config import validate
 from mptrain.errors import MptrainError
+from mptrain.numerics import qgemm
 from mptrain.numerics.convert import LayerDecision, convert_model
 from mptrain.numerics.formats import E4M3
 from mptrain.numerics.mx import (
@@ -365,16 +366,21 @@ def _dx_and_calls(x: torch.Tensor, dy: torch.Tensor, layer: Any) -> tuple[tuple[
 @pytest.mark.parametrize("layout", ["nchw", "cl"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pointwise_convs_run_as_gemms_on_a_cpu(layout: str, dtype: torch.dtype) -> None:
-    """A quantized 1x1 convolution with stride 1 and no padding makes no convolution call on a CPU:
-    fprop and dgrad are matmuls (``qgemm._pointwise``), with an FP32 convolution's values up to
-    rounding (bf16 products: the output's) and its memory format; a 3x3 one, and a 1x1 one with
-    stride 2, still convolve, in the same layout."""
+    """A small quantized 1x1 convolution with stride 1 and no padding makes no convolution call on a
+    CPU: fprop and dgrad are matmuls (``qgemm._pointwise``: per image on 6x6 maps, over the batch on
+    2x2 and 1x1 ones), with an FP32 convolution's values up to rounding (bf16 products: the
+    output's) and its memory format; a 3x3 one, a 1x1 one with stride 2, and one past
+    ``_POINTWISE_FLOPS`` still convolve, in the same layout."""
     g = torch.Generator().manual_seed(8)
     fmt = {"nchw": torch.contiguous_format, "cl": torch.channels_last}[layout]
-    for k, stride, convolves in ((1, 1, False), (3, 1, True), (1, 2, True)):
+    # (batch, channels, map size, kernel, stride, whether it convolves)
+    cases = [(4, 48, 6, 1, 1, False), (4, 48, 2, 1, 1, False), (4, 48, 1, 1, 1, False), (4, 48, 6, 3, 1, True),
+             (4, 48, 6, 1, 2, True), (4, 256, 32, 1, 1, True)]  # the last: 2 * 4 * 256 * 32**2 * 40 flops
+    assert 2 * 4 * 256 * 32**2 * 40 > qgemm._POINTWISE_FLOPS >= 2 * 4 * 48 * 6**2 * 40
+    for n, c, size, k, stride, convolves in cases:
         # values bf16 holds, so that bf16 products differ from FP32's only by rounding the output once
-        x = torch.randn(4, 48, 6, 6, generator=g).bfloat16().float().contiguous(memory_format=fmt)
-        w = torch.randn(40, 48, k, k, generator=g).bfloat16().float()
+        x = torch.randn(n, c, size, size, generator=g).bfloat16().float().contiguous(memory_format=fmt)
+        w = torch.randn(40, c, k, k, generator=g).bfloat16().float()
         conv = (stride, stride), (k // 2, k // 2), (1, 1)
         dy = torch.randn(F.conv2d(x, w, None, *conv).shape, generator=g).bfloat16().float()
         dy = dy.contiguous(memory_format=fmt)

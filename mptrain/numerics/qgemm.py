@@ -408,29 +408,48 @@ def _conv(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int
 
 def _pointwise(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int, int],
                transposed: bool = False) -> Tensor | None:
-    """A 1x1 convolution with stride 1 and no padding (33 of ResNet-50's 53) on a CPU, as the GEMM it
-    is: W (C_out, C_in) times x's channels at every pixel, fprop or (``transposed``: x is dy, the
-    product W^T dy) dgrad; None for any other convolution, or layout, which the caller convolves.
+    """A small 1x1 convolution with stride 1 and no padding (33 of ResNet-50's 53) on a CPU, as the
+    GEMM it is: W (C_out, C_in) times x's channels at every pixel, fprop or (``transposed``: x is dy,
+    the product W^T dy) dgrad; None for any other convolution, layout or size, which the caller
+    convolves.
 
-    Why: oneDNN's convolution costs tens of microseconds a call beyond its arithmetic on these small
-    layers, and about twice that in an emulated step, whose quantizer kernels between the convolutions
-    leave its code and buffers out of cache (ResNet-50/8, batch 32, a scratch timing: 190 us a call in
-    the step against 96 us replayed alone). As matmuls, ResNet-50/8's MX, NVFP4 and row-wise FP8 steps
-    took 4-8% less time (scripts/pointwise_bench.py; docs/benchmarks). On its layers the sums came out
-    the same (weights bit-identical after a step); in general a GEMM kernel may split the sum along C
-    where the convolution does not (a 512-channel dgrad differed in the last bits), and the tests hold
-    the two within FP32 rounding. Output in the convolution's layout, which follows x's (a 1x1
-    filter's strides are the same in either)."""
+    Why: oneDNN's convolution costs tens of microseconds a call beyond its arithmetic on small layers,
+    and about twice that in an emulated step, whose quantizer kernels between the convolutions leave
+    its code and buffers out of cache (ResNet-50/8, batch 32, a scratch timing: 190 us a call in the
+    step against 96 us replayed alone). As matmuls, ResNet-50/8's MX, NVFP4 and row-wise FP8 steps
+    took 4-8% less time (scripts/pointwise_bench.py; docs/benchmarks). Only up to _POINTWISE_FLOPS:
+    on a full-width ResNet-50's layers the GEMMs gained nothing, or lost (scratch timings). On
+    ResNet-50/8's layers the sums came out the same (weights bit-identical after a step); in general
+    a GEMM kernel may split the sum along C where the convolution does not, and the tests hold the
+    two within FP32 rounding. Output in the convolution's layout, which follows x's (a 1x1 filter's
+    strides are the same in either)."""
     if x.device.type != "cpu" or w.shape[2:] != (1, 1) or tuple(stride) != (1, 1) or any(padding):
         return None
-    n, _, h, wd = x.shape
+    n, c, h, wd = x.shape
     w2 = w.reshape(w.shape[0], w.shape[1])
     w2 = w2.t() if transposed else w2  # (outputs, inputs) of this product
+    if 2 * x.numel() * w2.shape[0] > _POINTWISE_FLOPS:
+        return None
+    if h * wd == 1:  # a pixel an image (either layout): one GEMM over the batch, nothing copied
+        return (x.reshape(n, c) @ w2.t()).view(n, -1, 1, 1)
     if _channels_last(x):  # (N*H*W, C) rows: one GEMM, its (N*H*W, C') result read back channels-last
-        return (x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]) @ w2.t()).view(n, h, wd, -1).permute(0, 3, 1, 2)
+        return (x.permute(0, 2, 3, 1).reshape(-1, c) @ w2.t()).view(n, h, wd, -1).permute(0, 3, 1, 2)
     if not x.is_contiguous():
         return None
-    return torch.matmul(w2, x.view(n, x.shape[1], h * wd)).view(n, -1, h, wd)  # a GEMM per image
+    if h * wd < _PER_IMAGE_MIN_PIXELS:  # one GEMM over every pixel, x and its result copied
+        return (w2 @ x.transpose(0, 1).reshape(c, -1)).view(-1, n, h, wd).transpose(0, 1).contiguous()
+    return torch.matmul(w2, x.view(n, c, h * wd)).view(n, -1, h, wd)  # a GEMM per image, nothing copied
+
+
+# _pointwise's limits, from scratch timings on one CPU thread (an AVX-512 Xeon), each alone: up to
+# 2**24 flops a call (16.8 MFLOP: 256 channels in and out on 32 images of 2x2 pixels), the GEMMs of
+# every square layer tried took 0.12x to 0.77x the convolution's time; on a full-width ResNet-50's
+# layers (hundreds of MFLOP) as long or longer (8 images of 56x56 pixels, 64 channels in, 256 out:
+# 1.8x). A GEMM per image re-reads W for each, and on fewer pixels than an AVX-512 vector (2x2 maps)
+# took longer than one GEMM over the batch with its two copies (41 against 26 us: 32 images, 128
+# channels in, 32 out).
+_POINTWISE_FLOPS = 2**24
+_PER_IMAGE_MIN_PIXELS = 16
 
 
 def _channels_last(t: Tensor) -> bool:
