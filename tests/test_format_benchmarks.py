@@ -672,3 +672,43 @@ def test_the_run_after_1x1_gemms_in_prose_is_its_data() -> None:
     assert all(now[k]["vs_fp32_cpu"] > after[k]["vs_fp32_cpu"] for k in FORMAT_TARGETS if k[0] == "resnet50/8")
     infos = [benchmark(n)["info"] for n in (*AMX_SR_RUNS, SLOW_HOST_RUN, GEMM_1X1_RUN)]
     assert len({(i["device_name"], i["cpu_capability"], i["versions"]["torch"]) for i in infos}) == 1
+
+
+BATCH_GEMM_RUNS = ("cpu-2026-11-30-amx-formats-294d7ed", "cpu-2026-11-30-amx-resnet-294d7ed")  # after 294d7ed
+
+
+def batch_gemm_run_phrases() -> list[str]:
+    """docs/benchmarks/README.md's two runs after 294d7ed: the table against 9e26266's run, its figures."""
+    prev = keyed_rows(GEMM_1X1_RUN)
+    runs = [keyed_rows(n) for n in BATCH_GEMM_RUNS]
+    rows, met, missed = [], 0, []
+    for key, limit in FORMAT_TARGETS.items():
+        ok = all(r[key]["vs_fp32_cpu"] <= limit for r in runs if key in r)
+        met += ok
+        if not ok:
+            missed.append(key)
+        rows.append(f"| {key[0]} | {key[1]} | ≤ {limit}× | {cell(prev, key)} | {cell(runs[0], key)} | "
+                    f"{cell(runs[1], key)} | {'yes' if ok else 'no'} |")
+    f32 = ("resnet50/8", "fp32")
+    nv, hyb = ("resnet50/8", "nvfp4"), ("mlp 4x1024 b128", "fp8 hybrid")
+    assert missed == [hyb, nv]
+    return [
+        *rows,
+        f"**{met} of the {len(FORMAT_TARGETS)} targets met in both runs**",
+        f"FP8 hybrid on the MLP at batch 128 ({cell(runs[0], hyb)}) and NVFP4 on ResNet-50/8 ({cell(runs[0], nv)} "
+        f"and {cell(runs[1], nv)})",
+        "FP32's ResNet-50/8 step took " + " and ".join(f"{r[f32]['step_ms_cpu']:.1f} ms" for r in runs),
+        "load average " + " and ".join(f"{benchmark(n)['info']['load_average_start'][0]}" for n in BATCH_GEMM_RUNS)
+        + " at their starts",
+        "NVFP4's ResNet-50/8 gap was {gap_ms:.1f} ms, quantizers {quantizers_ms:.1f} ms ({quantizer_calls} calls) and "
+        "the rest {other_ms:.1f} ms".format(**runs[0][nv]["gap"]),
+        "FP8 hybrid's MLP gap at batch 128 was {gap_ms:.1f} ms, quantizers {quantizers_ms:.1f} ms ({quantizer_calls} "
+        "calls)".format(**runs[0][hyb]["gap"]),
+    ]
+
+
+def test_the_runs_after_batch_gemms_in_prose_are_their_data() -> None:
+    assert_in_notes(batch_gemm_run_phrases())
+    met = sum(all(keyed_rows(n)[k]["vs_fp32_cpu"] <= v for n in BATCH_GEMM_RUNS if k in keyed_rows(n))
+              for k, v in FORMAT_TARGETS.items())
+    assert_in_notes([f"{met} of {len(FORMAT_TARGETS)} targets met in both runs after it"], "README.md")

@@ -530,3 +530,29 @@ def test_the_pointwise_runs_in_prose_are_their_data() -> None:
     assert_in_notes([f"NVFP4 and row-wise FP8 steps took {min(gains):.3f}× to {max(gains):.3f}× as long"], "README.md")
     infos = [benchmark(n)["info"] for n in POINTWISE_RUNS]
     assert {i["cpu_capability"] for i in infos} == {"AVX512"} and all("Xeon" in i["device_name"] for i in infos)
+
+
+POINTWISE_BATCH_RUNS = ("cpu-2026-11-30-amx-pointwise-294d7ed", "cpu-2026-11-30-amx-pointwise-294d7ed-repeat")
+
+
+def pointwise_batch_phrases() -> list[str]:
+    """The same section's runs after 294d7ed (one GEMM over the batch on small maps, a size cap): its
+    table against the runs before it, and what the prose says."""
+    before = [{r["mode"]: r for r in benchmark(n)["rows"]} for n in POINTWISE_RUNS]
+    after = [{r["mode"]: r for r in benchmark(n)["rows"]} for n in POINTWISE_BATCH_RUNS]
+    out = [f"| {m} | " + " | ".join(f"{r[m]['gemm_vs_conv']:.3f}" for r in (*before, *after)) + " | "
+           + " | ".join(f"{r[m]['vs_fp32_cpu']['gemm']:.2f}×" for r in after) + " |" for m in after[0]]
+    gains = [r[m]["gemm_vs_conv"] for r in after for m in r if m not in PER_TENSOR]
+    control = [r[m]["gemm_vs_conv"] for r in after for m in PER_TENSOR]
+    assert max(gains) < min(r[m]["gemm_vs_conv"] for r in before for m in r if m not in PER_TENSOR)  # "every one"
+    assert all(r[m]["same_weights_after_one_step"] for r in after for m in r)
+    out += [
+        f"the qgemm modes' steps took {min(gains):.3f}× to {max(gains):.3f}× as long with the GEMMs as with the "
+        "convolutions, each below every figure of the runs before",
+        f"the per-tensor control {min(control):.3f}× to {max(control):.3f}×",
+    ]
+    return out
+
+
+def test_the_pointwise_batch_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(pointwise_batch_phrases())

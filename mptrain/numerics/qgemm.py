@@ -417,7 +417,7 @@ def _pointwise(x: Tensor, w: Tensor, stride: tuple[int, int], padding: tuple[int
     and about twice that in an emulated step, whose quantizer kernels between the convolutions leave
     its code and buffers out of cache (ResNet-50/8, batch 32, a scratch timing: 190 us a call in the
     step against 96 us replayed alone). As matmuls, ResNet-50/8's MX, NVFP4 and row-wise FP8 steps
-    took 4-8% less time (scripts/pointwise_bench.py; docs/benchmarks). Only up to _POINTWISE_FLOPS:
+    took 9-12% less time (scripts/pointwise_bench.py; docs/benchmarks). Only up to _POINTWISE_FLOPS:
     on a full-width ResNet-50's layers the GEMMs gained nothing, or lost (scratch timings). On
     ResNet-50/8's layers the sums came out the same (weights bit-identical after a step); in general
     a GEMM kernel may split the sum along C where the convolution does not, and the tests hold the
