@@ -704,6 +704,9 @@ def batch_gemm_run_phrases() -> list[str]:
         "the rest {other_ms:.1f} ms".format(**runs[0][nv]["gap"]),
         "FP8 hybrid's MLP gap at batch 128 was {gap_ms:.1f} ms, quantizers {quantizers_ms:.1f} ms ({quantizer_calls} "
         "calls)".format(**runs[0][hyb]["gap"]),
+        # "Where they stand", at the section's head
+        f"after one GEMM over the batch on small maps {['none', 'one', 'two', 'three'][len(missed)]} were not, in "
+        "both runs",
     ]
 
 
