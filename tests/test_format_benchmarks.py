@@ -720,3 +720,34 @@ def test_the_runs_after_batch_gemms_in_prose_are_their_data() -> None:
     met = sum(all(keyed_rows(n)[k]["vs_fp32_cpu"] <= v for n in BATCH_GEMM_RUNS if k in keyed_rows(n))
               for k, v in FORMAT_TARGETS.items())
     assert_in_notes([f"{met} of {len(FORMAT_TARGETS)} targets met in both runs after it"], "README.md")
+
+
+CAPPED_BATCH_GEMM_RUN = "cpu-2026-11-30-amx-capped-avx2-resnet-5b1094d"
+
+
+def test_the_capped_runs_after_batch_gemms_in_prose_are_their_data() -> None:
+    """docs/benchmarks/README.md's capped runs at 5b1094d: the ResNet-50/8 table against the two
+    earlier capped runs, and the side-by-side figures."""
+    runs = [keyed_rows(n) for n in (*AMX_CAPPED_RUNS, CAPPED_BATCH_GEMM_RUN)]
+    modes = [m for (model, m) in FORMAT_TARGETS if model == "resnet50/8"]
+    rows = [f"| {m} | " + " | ".join(cell(r, ("resnet50/8", m)) for r in runs) + " |" for m in modes]
+    now = runs[-1]
+    missed = [m for m in modes if now["resnet50/8", m]["vs_fp32_cpu"] > 2.0]
+    assert missed == ["nvfp4"]  # "every other mode met its target"
+    side = {r["mode"]: r for r in benchmark("cpu-2026-11-30-amx-capped-avx2-pointwise-5b1094d")["rows"]}
+    per_tensor = ("fp8 hybrid", "fp8 hybrid tensor")
+    gains = [r["gemm_vs_conv"] for m, r in side.items() if m not in per_tensor]
+    assert max(gains) == side["nvfp4"]["gemm_vs_conv"]  # "NVFP4 the least gain"
+    control = sorted(side[m]["gemm_vs_conv"] for m in per_tensor)
+    assert {benchmark(n)["info"]["cpu_capability"] for n in (CAPPED_BATCH_GEMM_RUN,
+            "cpu-2026-11-30-amx-capped-avx2-pointwise-5b1094d")} == {"AVX2"}
+    assert_in_notes([
+        *rows,
+        f"the qgemm modes took {min(gains):.3f}× to {max(gains):.3f}× as long with the GEMMs as with the convolutions, "
+        f"NVFP4 the least gain ({side['nvfp4']['gemm_vs_conv']:.3f}×); the per-tensor control {control[0]:.3f}× and "
+        f"{control[1]:.3f}×",
+        f"NVFP4 measured {cell(now, ('resnet50/8', 'nvfp4'))} (just over ≤ 2×)",
+        "(load average {} and {} at their starts; nothing else running)".format(*(
+            benchmark(n)["info"]["load_average_start"][0]
+            for n in ("cpu-2026-11-30-amx-capped-avx2-pointwise-5b1094d", CAPPED_BATCH_GEMM_RUN))),
+    ])
