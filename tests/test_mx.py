@@ -7,7 +7,9 @@ plain matmuls / im2col GEMMs of fake-quantized operands for the layers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -809,6 +811,76 @@ def test_each_way_of_taking_the_columns_is_unfold(shape: tuple[int, ...], k: tup
     cols = F.unfold(x, k, dilation=dilation, padding=padding, stride=stride)
     assert torch.equal(got, cols.permute(1, 0, 2).reshape(cols.shape[1], -1))
     assert ways[0] == way  # (then the reference's unfold, and the gather's index built from windows)
+
+
+@dataclasses.dataclass
+class _Recording(BlockQuantizer):
+    """A block quantizer that counts the elements of each "input" operand it quantizes."""
+
+    inputs: list[int] = dataclasses.field(default_factory=list)
+
+    def __call__(self, x: torch.Tensor, dim: int, role: str, *args: Any, **kwargs: Any) -> Any:
+        if role == "input":
+            self.inputs.append(x.numel())
+        return super().__call__(x, dim, role, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("name", "shape", "k", "stride", "padding", "channels_last"), [
+    ("nvfp4", (2, 3, 32, 32), 7, 2, 3, False),  # ResNet's stem: 16 output pixels a row, 1 block
+    ("nvfp4", (2, 4, 16, 16), 3, 1, 1, True),
+    ("mxfp8", (2, 3, 32, 32), 3, 1, 1, False),  # 32 a row: one MX block
+])
+def test_shared_row_windows_are_quantized_once(name: str, shape: tuple[int, ...], k: int, stride: int, padding: int,
+                                               channels_last: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a filter is taller than its stride and a block never crosses an output row, wgrad's x
+    operand is quantized as x's row windows, each once (``qgemm._quantized_rows``), fewer elements
+    than the columns hold; the weight gradient is the columns' own bit for bit (the same layer with
+    the path turned off), with NVFP4's Hadamard transform, on the fused kernels and on the eager
+    reference alike."""
+    from mptrain.numerics import fused
+
+    two_level = BLOCK_FORMATS[name].two_level
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=g) * 4
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(8, shape[1], k, k, generator=g)
+    signs = GemmRecipe.signs(1) if two_level else None
+    conv = (stride, stride), (padding, padding), (1, 1)
+
+    def wgrad(off: bool) -> tuple[torch.Tensor, list[int]]:
+        quantizer = _Recording(BLOCK_FORMATS[name], stochastic_grads=True, rng=RngStreams(0))
+        recipe = GemmRecipe(quantizer, torch.bfloat16, hadamard_signs=signs, weight_2d=two_level)
+        leaf = w.clone().requires_grad_()
+        y = QuantConv2dFn.apply(x, leaf, None, recipe, *conv)
+        quantizer.inputs.clear()
+        with monkeypatch.context() as m:
+            if off:
+                m.setattr(qgemm, "_quantized_rows", lambda *a: None)
+            y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)))
+        return leaf.grad, quantizer.inputs  # type: ignore[return-value]
+
+    n, c, h, _ = shape
+    out = (h + 2 * padding - k) // stride + 1
+    rows = stride * (out - 1) + k
+    for context in (contextlib.nullcontext, fused.reference):
+        with context():
+            (on, quantized), (off, columns) = wgrad(False), wgrad(True)
+        assert torch.equal(on, off)
+        assert quantized == [n * c * rows * k * out] and columns == [c * k * k * n * out * out]
+        assert quantized[0] < columns[0]
+
+
+@pytest.mark.parametrize(("name", "size", "k", "stride"),
+                         [("nvfp4", 9, 3, 1), ("nvfp4", 32, 2, 2), ("mxfp8", 32, 3, 2)])
+def test_row_windows_only_where_blocks_repeat(name: str, size: int, k: int, stride: int) -> None:
+    """No row windows where a block crosses output rows (9 pixels a row; MX's 32 against 16 a row) or
+    no row is read twice (a 2x2 filter with stride 2)."""
+    from mptrain.numerics import im2col
+
+    bs = BLOCK_FORMATS[name].block_size
+    assert not im2col.shares_rows((2, 3, size, size), (k, k), (stride, stride), (k // 2, k // 2), (1, 1), bs)
+    assert im2col.shares_rows((2, 3, 32, 32), (3, 3), (1, 1), (1, 1), (1, 1), bs)
 
 
 def test_wgrad_columns_trace_under_dynamo() -> None:

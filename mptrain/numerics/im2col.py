@@ -56,6 +56,48 @@ def wgrad_columns(x: Tensor, k: tuple[int, int], stride: tuple[int, int], paddin
     return _windows(_pad(x, padding), k, stride, dilation, ho, wo).reshape(c * kh * kw, n * ho * wo)
 
 
+def shares_rows(shape: torch.Size | tuple[int, ...], k: tuple[int, int], stride: tuple[int, int],
+                padding: tuple[int, int], dilation: tuple[int, int], block: int) -> bool:
+    """Whether the columns' blocks of ``block`` along (N, Ho, Wo) repeat, so that quantizing x's row
+    windows (``row_windows``) and copying them out (``columns_of_rows``) quantizes fewer elements
+    than the columns hold, with the same result.
+
+    A column row (c, i, j) at output row (n, ho) reads padded row stride_h * ho + i of image n: rows
+    overlap when the filter is taller than its stride (a 7x7 stride-2 stem reads each row for about
+    3.5 output rows, a 3x3 stride-1 conv for 3). When a block never crosses an output row (Wo a
+    multiple of it), each block of the columns is a block of some row window, and a block's
+    quantized values depend on its elements and the tensor's amax alone (every window appears in
+    the columns, so the amax is theirs too). Not when traced by dynamo (``_way``'s reason)."""
+    ho, wo = _out_size(shape, k, stride, padding, dilation)
+    return (dilation == (1, 1) and wo % block == 0 and stride[0] * (ho - 1) + k[0] < k[0] * ho
+            and not torch.compiler.is_compiling())
+
+
+def row_windows(x: Tensor, k: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
+    """Every (image, channel, padded row, filter column j) window of Wo pixels x[.., j + stride_w * wo],
+    as (N * C * R, kw * Wo) rows, R the padded rows some output row reads: each block of the
+    columns, once (``shares_rows``)."""
+    n, c = x.shape[:2]
+    ho, wo = _out_size(x.shape, k, stride, padding, (1, 1))
+    xp = _pad(x, padding)
+    sn, sc, sh, sw = xp.stride()
+    rows = stride[0] * (ho - 1) + k[0]
+    return xp.as_strided((n, c, rows, k[1], wo), (sn, sc, sh, sw, sw * stride[1]),
+                         xp.storage_offset()).reshape(n * c * rows, k[1] * wo)  # fmt: skip
+
+
+def columns_of_rows(rows: Tensor, shape: torch.Size | tuple[int, ...], k: tuple[int, int], stride: tuple[int, int],
+                    padding: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """``wgrad_columns``' (C * kh * kw, N * Ho * Wo) layout of (quantized) ``row_windows``, in ``dtype``:
+    column row (c, i, j) at (n, ho, wo) is window (n, c, stride_h * ho + i, j)'s pixel wo."""
+    n, c = shape[:2]
+    ho, wo = _out_size(shape, k, stride, padding, (1, 1))
+    r = k[1] * wo  # one padded row's windows
+    rows_n = stride[0] * (ho - 1) + k[0]
+    view = rows.as_strided((c, *k, n, ho, wo), (rows_n * r, r, wo, c * rows_n * r, stride[0] * r, 1))
+    return view.to(dtype).contiguous().view(c * k[0] * k[1], n * ho * wo)
+
+
 def column_way(x: Tensor, k: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
                dilation: tuple[int, int], fast: bool = True) -> str:
     """How ``wgrad_columns`` takes x's columns: "windows", "gather" or "unfold" (the
