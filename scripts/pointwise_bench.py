@@ -1,22 +1,23 @@
-"""ResNet-50/8's emulated steps with their 1x1 convolutions as GEMMs or as convolutions, side by side
-in one process, on a CPU.
+"""ResNet-50/8's emulated steps with and without one of qgemm's CPU paths, side by side in one
+process, on a CPU. ``--change`` picks the path:
 
-On a CPU the quantized layers run a 1x1 convolution with stride 1 and no padding as the matmul it is
-(``qgemm._pointwise``): oneDNN's convolution costs tens of microseconds a call beyond its arithmetic
-on these small layers, about twice that inside an emulated step. This times every mode's training step
-both ways, in interleaved rounds:
+- ``pointwise`` (the default): a 1x1 convolution with stride 1 and no padding run as the matmul it is
+  (``qgemm._pointwise``): oneDNN's convolution costs tens of microseconds a call beyond its
+  arithmetic on these small layers, about twice that inside an emulated step. The two ways are
+  ``conv`` (every quantized convolution through aten's, as before) and ``gemm`` (the library's);
+- ``row_windows``: wgrad's x operand quantized as x's row windows, each once, where the im2col
+  columns repeat them (``qgemm._quantized_rows``: ResNet's stem under NVFP4). The ways are
+  ``columns`` (the columns quantized, as before) and ``rows`` (the library's).
 
-- ``conv``: every quantized convolution through aten's convolution (``_pointwise`` finds nothing),
-  as before;
-- ``gemm``: the library's path;
-
-and FP32's step beside them (which no quantized layer touches). Per-tensor FP8 (``fp8 hybrid``,
-``fp8 hybrid tensor``) convolves its rounded operands through nn.Conv2d's own path, not qgemm's:
-its two ways run the same code, a control for the noise. Each way has its own model, built
-from the same seed; before the rounds, one step of each from the same state and rounding streams
-says whether the two ways' weights came out bit-identical.
+Each mode's training step runs both ways in interleaved rounds, and FP32's step beside them (which
+no quantized layer touches). Per-tensor FP8 (``fp8 hybrid``, ``fp8 hybrid tensor``) convolves its
+rounded operands through nn.Conv2d's own path, not qgemm's: its two ways run the same code, a
+control for the noise (as MX formats are for ``row_windows`` on these 16-pixel rows). Each way has
+its own model, built from the same seed; before the rounds, one step of each from the same state
+and rounding streams says whether the two ways' weights came out bit-identical.
 
     python scripts/pointwise_bench.py --out docs/benchmarks --name cpu-2026-11-30-amx-pointwise
+    python scripts/pointwise_bench.py --change row_windows --modes mxfp8,nvfp4 --name cpu-...-row-windows
 """
 
 from __future__ import annotations
@@ -35,11 +36,20 @@ from mptrain.numerics import qgemm, rounding_rng
 
 MODEL = "resnet50/8"
 MODES = ("fp8 hybrid", "fp8 hybrid tensor", "fp8 hybrid rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
-_pointwise = qgemm._pointwise
+# --change: (the way without the path, the way with it, qgemm's function for the path (None from it:
+# not here), what the report's title says)
+CHANGES = {
+    "pointwise": ("conv", "gemm", "_pointwise", "1x1 convolutions as GEMMs or as convolutions"),
+    "row_windows": ("columns", "rows", "_quantized_rows",
+                    "wgrad's x operand quantized as row windows or as im2col columns"),
+}  # fmt: skip
+_library = {name: getattr(qgemm, fn) for name, (_, _, fn, _) in CHANGES.items()}
+_change = "pointwise"
 
 
-def _way(gemm: bool) -> None:
-    qgemm._pointwise = _pointwise if gemm else (lambda *a, **k: None)  # type: ignore[assignment]
+def _way(on: bool) -> None:
+    fn = CHANGES[_change][2]
+    setattr(qgemm, fn, _library[_change] if on else (lambda *a, **k: None))
 
 
 def _cell(mode: str) -> Any:
@@ -51,8 +61,8 @@ def _cell(mode: str) -> Any:
 def _same_first_step(mode: str, x: torch.Tensor, y: torch.Tensor) -> bool:
     """One step of each way from one seed and fresh rounding streams: the same weights, bit for bit?"""
     weights = []
-    for gemm in (False, True):
-        _way(gemm)
+    for on in (False, True):
+        _way(on)
         rounding_rng.seed_rounding(0)
         cell = _cell(mode)
         bench_formats.step(cell, x, y)
@@ -63,11 +73,15 @@ def _same_first_step(mode: str, x: torch.Tensor, y: torch.Tensor) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--change", choices=sorted(CHANGES), default="pointwise")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     ap.add_argument("--name", default="cpu-pointwise")
     args = ap.parse_args(argv)
+    global _change
+    _change = args.change
+    off, on, _, _ = CHANGES[_change]
     info = cpu_script_stamp("pointwise_bench.py", argv)
     _, batch, shape, classes = bench_formats.MODELS[MODEL]
     g = torch.Generator().manual_seed(0)
@@ -76,42 +90,43 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for mode in args.modes.split(","):
         same = _same_first_step(mode, x, y)
-        cells = {"fp32": _cell("fp32"), "conv": _cell(mode), "gemm": _cell(mode)}
+        cells = {"fp32": _cell("fp32"), off: _cell(mode), on: _cell(mode)}
         for way, cell in cells.items():
-            _way(way != "conv")
+            _way(way != off)
             for _ in range(3):  # compiles, allocator warm-up
                 bench_formats.step(cell, x, y)
         times: dict[str, list[float]] = {way: [] for way in cells}
         for r in range(args.rounds):
             for way in (list(cells) if r % 2 else list(cells)[::-1]):
-                _way(way != "conv")
+                _way(way != off)
                 t0 = time.process_time()
                 bench_formats.step(cells[way], x, y)
                 times[way].append(time.process_time() - t0)
         _way(True)
         ms = {way: round(1e3 * statistics.median(t), 2) for way, t in times.items()}
-        rows.append({"mode": mode, "step_ms_cpu": ms, "gemm_vs_conv": round(ms["gemm"] / ms["conv"], 3),
-                     "vs_fp32_cpu": {w: round(ms[w] / ms["fp32"], 2) for w in ("conv", "gemm")},
+        rows.append({"mode": mode, "step_ms_cpu": ms, f"{on}_vs_{off}": round(ms[on] / ms[off], 3),
+                     "vs_fp32_cpu": {w: round(ms[w] / ms["fp32"], 2) for w in (off, on)},
                      "same_weights_after_one_step": same})  # fmt: skip
         print(rows[-1], flush=True)
     result = {"info": info | {"load_average_end": load_averages()}, "model": MODEL, "rounds": args.rounds,
-              "rows": rows}
+              "change": _change, "rows": rows}
     write_report(args.out, args.name, result, markdown(result))
     print(markdown(result))
 
 
 def markdown(r: dict[str, Any]) -> str:
+    off, on, _, title = CHANGES[r.get("change", "pointwise")]  # runs before --change: pointwise
     lines = [
-        *cpu_header(r["info"], f"{r['model']}'s 1x1 convolutions as GEMMs or as convolutions, side by side",
+        *cpu_header(r["info"], f"{r['model']}'s {title}, side by side",
                     f"- method: see the script's docstring; median CPU time of a training step over {r['rounds']} "
-                    "interleaved rounds (FP32, the convolutions, the GEMMs), batch 32"),
-        "| mode | fp32 ms | conv ms | gemm ms | gemm / conv | conv vs fp32 | gemm vs fp32 | same weights |",
+                    f"interleaved rounds (FP32, {off}, {on}), batch 32"),
+        f"| mode | fp32 ms | {off} ms | {on} ms | {on} / {off} | {off} vs fp32 | {on} vs fp32 | same weights |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
         ms, vs = row["step_ms_cpu"], row["vs_fp32_cpu"]
-        lines.append(f"| {row['mode']} | {ms['fp32']:.1f} | {ms['conv']:.1f} | {ms['gemm']:.1f} | "
-                     f"{row['gemm_vs_conv']:.3f} | {vs['conv']:.2f}× | {vs['gemm']:.2f}× | "
+        lines.append(f"| {row['mode']} | {ms['fp32']:.1f} | {ms[off]:.1f} | {ms[on]:.1f} | "
+                     f"{row[f'{on}_vs_{off}']:.3f} | {vs[off]:.2f}× | {vs[on]:.2f}× | "
                      f"{'yes' if row['same_weights_after_one_step'] else 'no'} |")
     return "\n".join([*lines, ""])
 
