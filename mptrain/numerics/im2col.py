@@ -16,6 +16,10 @@ is the loop overhead of a 6-dim strided copy rather than its bytes:
 - traced by dynamo (a user's torch.compile around converted layers): unfold, whose strides are
   symbolic there (as_strided on them failed to trace, an error rather than a graph break).
 
+Where the columns repeat whole blocks of a block format (a filter taller than its stride, blocks
+within an output row), qgemm quantizes x's row windows instead, once each, and copies them out to
+the columns' layout (``shares_rows``, ``row_windows``, ``columns_of_rows``).
+
 Off the CPU the strided copy and unfold keep serving: one kernel each, not measured otherwise.
 """
 
