@@ -101,22 +101,17 @@ def main(argv: list[str] | None = None) -> None:
     # in step: the rounds interleave FP32's step with the mode's, whose calls are timed
     in_step: dict[str, float] = collections.defaultdict(float)
     steps: dict[str, list[float]] = {name: [] for name in cells}
-    timing = [False]
 
     def add(name: str, fn: Any, a: tuple[Any, ...], kw: dict[str, Any], dt: float) -> None:
-        if timing[0]:
-            in_step[_kind(name, a, kw)] += dt
+        in_step[_kind(name, a, kw)] += dt
 
     for _ in range(args.rounds):
         for name, cell in cells.items():
-            originals = _wrapped(add) if name == MODE else None
-            timing[0] = True
+            originals = _wrapped(add) if name == MODE else {}
             t0 = time.process_time()
             bench_formats.step(cell, x, y)  # type: ignore[arg-type]
             steps[name].append(time.process_time() - t0)
-            timing[0] = False
-            if originals:
-                _restore(originals)
+            _restore(originals)
 
     # one step's calls, recorded with copies of their arguments, then replayed
     calls: list[tuple[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
