@@ -15,6 +15,11 @@ arguments; this says how far those replays are from what the calls cost inside a
 beside FP32's and the mode's step times (interleaved rounds, process CPU clock) and one thread's copy
 bandwidth (16 MiB, after a pass over a 64 MiB buffer). Freed host memory is kept, as a run keeps it.
 
+A third model runs the mode as it was before ``Fp8State.after_step`` wrote each weight's next E4M3
+forward operand in the pass that rounds its FP16 master (``fp8._kept_weights``): its forward rounds
+the weight itself. It steps in the same rounds, and one step of each way from the same state and
+global RNG says whether the two ways' weights came out bit-identical.
+
     python scripts/hybrid_gap_bench.py --out docs/benchmarks --name cpu-2026-12-03-amx-hybrid-gap
 """
 
@@ -32,9 +37,10 @@ import bench_formats  # the script beside this one (its directory leads sys.path
 import torch
 
 from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
-from mptrain.numerics import fused
+from mptrain.numerics import fp8, fused, rounding_rng
 
 MODEL, MODE = "mlp 4x1024 b128", "fp8 hybrid"
+ROUNDED = f"{MODE}, forward rounds its weight"  # the mode without fp8._kept_weights
 # what a wrapped call reports: (name, function, args, kwargs, seconds)
 Record = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any], float], None]
 
@@ -81,6 +87,29 @@ def bandwidth_gb_s(evict: torch.Tensor) -> float:
     return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
+def _step(name: str, cell: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    real = fp8._kept_weight
+    if name == ROUNDED:
+        fp8._kept_weight = lambda w, spec: None
+    try:
+        bench_formats.step(cell, x, y)
+    finally:
+        fp8._kept_weight = real
+
+
+def _same_weights(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Two steps each way from the same seed-0 model and rounding stream: bit-identical weights? The
+    kept weight is written by the first step's after_step and read by the second step's forward."""
+    weights = []
+    for name in (MODE, ROUNDED):
+        cell = bench_formats.build(MODEL, MODE)
+        rounding_rng.seed_rounding(0)
+        for _ in range(2):
+            _step(name, cell, x, y)
+        weights.append([p.detach().clone() for p in cell.model.parameters()])  # type: ignore[union-attr]
+    return all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
@@ -88,15 +117,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--name", default="cpu-hybrid-gap")
     args = ap.parse_args(argv)
     info = cpu_script_stamp("hybrid_gap_bench.py", argv)
+    rounding_rng.seed_rounding(0)  # stochastic rounding draws from the run's stream, as in bench_formats
     info["host_memory"] = bench_formats.keep_freed_host_memory()
     _, batch, shape, classes = bench_formats.MODELS[MODEL]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, classes, (batch,), generator=g)
-    cells = {"fp32": bench_formats.build(MODEL, "fp32"), MODE: bench_formats.build(MODEL, MODE)}
-    for cell in cells.values():
+    cells = {name: bench_formats.build(MODEL, "fp32" if name == "fp32" else MODE) for name in ("fp32", MODE, ROUNDED)}
+    for name, cell in cells.items():
         assert not isinstance(cell, str), cell
         for _ in range(5):  # compiles the kernels, warms the allocator
-            bench_formats.step(cell, x, y)  # type: ignore[arg-type]
+            _step(name, cell, x, y)
+    same = _same_weights(x, y)
 
     # in step: the rounds interleave FP32's step with the mode's, whose calls are timed
     in_step: dict[str, float] = collections.defaultdict(float)
@@ -109,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, cell in cells.items():
             originals = _wrapped(add) if name == MODE else {}
             t0 = time.process_time()
-            bench_formats.step(cell, x, y)  # type: ignore[arg-type]
+            _step(name, cell, x, y)
             steps[name].append(time.process_time() - t0)
             _restore(originals)
 
@@ -133,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         "info": info | {"load_average_end": load_averages()},
         "model": MODEL, "mode": MODE, "rounds": args.rounds,
         "step_ms_cpu": ms, "vs_fp32_cpu": round(ms[MODE] / ms["fp32"], 3),
+        "rounded_vs_fp32_cpu": round(ms[ROUNDED] / ms["fp32"], 3), "kept_vs_rounded": round(ms[MODE] / ms[ROUNDED], 3),
+        "same_weights": same,
         "gap_ms": round(ms[MODE] - ms["fp32"], 2), "calls_per_step": len(calls),
         "quantizers_ms": {
             kind: {"calls": sum(c[0] == kind for c in calls), "in_step": round(1e3 * in_step[kind] / args.rounds, 2),
@@ -154,6 +187,9 @@ def markdown(r: dict[str, Any]) -> str:
                     f"- method: see the script's docstring; {r['rounds']} interleaved rounds"),
         f"- step (median, CPU): fp32 {ms['fp32']:.1f} ms, {r['mode']} {ms[r['mode']]:.1f} ms "
         f"({r['vs_fp32_cpu']:.2f}×, gap {r['gap_ms']:.1f} ms); {r['calls_per_step']} quantizer calls a step",
+        *([f"- {ROUNDED}: {ms[ROUNDED]:.1f} ms ({r['rounded_vs_fp32_cpu']:.2f}× FP32); {r['mode']} took "
+           f"{r['kept_vs_rounded']:.3f}× as long; weights after two steps bit-identical both ways: "
+           f"{'yes' if r['same_weights'] else 'NO'}"] if ROUNDED in ms else []),
         f"- one thread's copy bandwidth: {r['bandwidth_gb_s']:.1f} GB/s (read + write)",
         "",
         "| function | operand | rounding | calls a step | in step ms | replayed ms | in step / replayed |",

@@ -543,6 +543,122 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
 
 
 @pytest.mark.kernels("elements")
+@pytest.mark.parametrize("stream", [True, False], ids=["run's stream", "no stream"])
+def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``round_params_(forward=...)``: a tensor rounded in a call of its own also returns its new value
+    rounded to nearest onto the forward format, as ``formats.round_to_element`` rounds it; the masters
+    themselves round and draw as without it. Tensors with no forward format, and the small ones where
+    they share one kernel, return None: stochastic rounding with no stream rounds each in a call of its own."""
+    monkeypatch.setattr(fused, "_ALONE", 1000)
+    g = torch.Generator().manual_seed(17)
+    params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 3, (), generator=g).item()
+              for s in ((40, 30), (7,), (50, 25), (33, 40), (9,))]  # fmt: skip
+    params[0][0, :5] = torch.tensor([math.nan, -math.inf, 1e6, 2.0**-30, 0.0])  # past E4M3's max, under its subnormals
+    # Just past a tie of the forward format, within an FP16 ulp: rounded to FP16 first (as the forward
+    # sees the master), they fall on the tie and round down to even; rounded as they were, up.
+    params[0][1, :4] = torch.tensor([1.0625, 2.125, -4.25, 8.5]) * (1 + 2.0**-20)  # E4M3's ties
+    params[2][1, :2] = torch.tensor([1.125, -2.25]) * (1 + 2.0**-20)  # E5M2's
+    forward = [nf.E4M3, nf.E4M3, nf.E5M2, None, None]
+    for stochastic in (False, True):
+        got, want = [p.clone() for p in params], [p.clone() for p in params]
+        a, b = (RoundingStream(5), RoundingStream(5)) if stream else (None, None)
+        torch.manual_seed(0)  # no stream: each tensor's key comes from the global RNG, in both
+        out = fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a, forward=forward)
+        torch.manual_seed(0)
+        fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
+        for x, y in zip(got, want, strict=True):
+            assert_same(x, y)
+        grouped = stream or not stochastic
+        assert [q is None for q in out] == [False, grouped, False, True, True]
+        for i in (0, 2) if grouped else (0, 1, 2):
+            assert out[i].shape == params[i].shape  # type: ignore[union-attr]
+            assert_same(out[i], nf.round_to_element(want[i], forward[i]))  # type: ignore[arg-type]
+
+
+def _hybrid_steps(steps: int, kept: bool, monkeypatch: pytest.MonkeyPatch,
+                  between: Callable[[nn.Module], None] | None = None) -> tuple[list[torch.Tensor], list[float], int]:
+    """FP8 hybrid (FP16 masters, stochastic rounding, the run's stream) on an MLP whose first weight
+    rounds alone: its weights and losses after ``steps`` steps, and how often a forward rounded that
+    weight itself. ``kept=False``: the forward never takes what ``after_step`` wrote. ``between(model)``
+    runs after each step."""
+    from omegaconf import OmegaConf
+
+    from mptrain.config import FP8PrecisionConfig
+    from mptrain.numerics import fp8
+    from mptrain.numerics.precision import build_precision
+
+    monkeypatch.setattr(fused, "_ALONE", 2048)  # the 64 x 64 weight has a call of its own
+    if not kept:
+        monkeypatch.setattr(fp8, "_kept_weight", lambda w, spec: None)
+    rounded = 0
+    real = fp8.Fp8LayerSpec.round_operand
+
+    def count(spec: Any, x: torch.Tensor) -> torch.Tensor:
+        nonlocal rounded
+        rounded += x is model[0].weight
+        return real(spec, x)
+
+    monkeypatch.setattr(fp8.Fp8LayerSpec, "round_operand", count)
+    rounding_rng.seed_rounding(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    precision = build_precision(OmegaConf.structured(FP8PrecisionConfig(name="fp8", format="hybrid")),
+                                torch.device("cpu"))
+    model = precision.prepare_model(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        precision.after_step()
+        losses.append(loss.item())
+        if between is not None:
+            between(model)
+    monkeypatch.undo()
+    return [p.detach().clone() for p in model.parameters()], losses, rounded
+
+
+@pytest.mark.kernels("elements")
+def test_fp8_forward_takes_the_weight_that_master_rounding_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 hybrid rounds each FP16 master and writes its next E4M3 forward weight in one pass: the
+    forward rounds the weight only on the first step, and training is bit for bit what it is when
+    every forward rounds the weight itself."""
+    got, got_losses, got_rounded = _hybrid_steps(3, True, monkeypatch)
+    want, want_losses, want_rounded = _hybrid_steps(3, False, monkeypatch)
+    assert (got_rounded, want_rounded) == (1, 3)
+    assert got_losses == want_losses
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.kernels("elements")
+def test_fp8_forward_rounds_a_weight_written_since(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight written after ``after_step`` (load_state_dict, an in-place op) is rounded again by the
+    next forward: the kept rounding of the old weight is not used."""
+    g = torch.Generator().manual_seed(18)
+    other = torch.randn(64, 64, generator=g) * 0.1
+
+    def overwrite(model: nn.Module) -> None:
+        state = model.state_dict()
+        model.load_state_dict({**state, "0.weight": other.clone()})
+
+    def scale(model: nn.Module) -> None:
+        with torch.no_grad():
+            model[0].weight.mul_(-0.5)
+
+    for between in (overwrite, scale):
+        got, got_losses, got_rounded = _hybrid_steps(2, True, monkeypatch, between)
+        want, want_losses, _ = _hybrid_steps(2, False, monkeypatch, between)
+        assert got_rounded == 2
+        assert got_losses == want_losses
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+
+
+@pytest.mark.kernels("elements")
 @pytest.mark.parametrize("group,alone", [(2**24, 2**15), (1000, 1000)], ids=["one group a dtype", "groups, some alone"])
 def test_stochastic_write_back_into_fp16_and_bf16_parameters(group: int, alone: int,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:

@@ -52,11 +52,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
@@ -253,23 +254,53 @@ class Fp8LayerSpec:
 
 
 class _QuantizeOperand(torch.autograd.Function):
-    """Forward: round an operand to nearest, in the compute dtype.
+    """Forward: round an operand to nearest, in the compute dtype (or take ``kept``, the weight's
+    rounding that ``Fp8State.after_step`` already wrote).
 
     Backward: straight through, except that a weight's gradient is itself quantized
     (``is_weight``): that is the FP8 weight gradient.
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, spec: Fp8LayerSpec, is_weight: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, spec: Fp8LayerSpec, is_weight: bool,  # type: ignore[override]
+                kept: Tensor | None = None) -> Tensor:
         ctx.x_dtype, ctx.spec, ctx.is_weight = x.dtype, spec, is_weight
-        return spec.round_operand(x).to(spec.compute_dtype)
+        # An alias, not the kept tensor itself: autograd records this output's history on it.
+        return kept.detach() if kept is not None else spec.round_operand(x).to(spec.compute_dtype)
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         g = g.to(ctx.x_dtype)
         if ctx.is_weight:
             g = ctx.spec.round_gradient(g)
-        return g, None, None
+        return g, None, None, None
+
+
+class _KeptWeight(NamedTuple):
+    version: int  # the weight's version counter when it was written
+    forward: Fp8Format
+    dtype: torch.dtype
+    q: Tensor  # the weight rounded onto ``forward``, in ``dtype``
+
+
+# A converted layer's weight rounded for its next forward, written by ``Fp8State.after_step`` in the
+# pass that rounds the FP16 master (``fused.round_params_``'s ``forward``), so the forward does not
+# read and round the weight once more: one weight-sized pass less a step, the cost that separates
+# FP8 hybrid's step from FP32's most on a small-batch MLP (scripts/hybrid_gap_bench.py measures the
+# two ways side by side). Keyed by the weight tensor itself, and used only while
+# its version counter says nothing has written to it since: an optimizer step, load_state_dict or any
+# in-place op makes the forward round it again. (Writes through ``.data`` bypass version counters, as
+# they bypass autograd's own checks; mptrain makes none.) Costs one weight-sized copy between steps
+# (during a step the forward's rounded weight is held for the backward either way).
+_kept_weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _kept_weight(w: Tensor, spec: Fp8LayerSpec) -> Tensor | None:
+    kept = _kept_weights.get(w)
+    if (kept is None or kept.version != w._version or kept.forward != spec.forward or kept.dtype != spec.compute_dtype
+            or spec.scaling != "loss"):
+        return None
+    return kept.q
 
 
 class _QuantizeError(torch.autograd.Function):
@@ -301,7 +332,7 @@ class _Fp8Mixin:
     def _fp8_operands(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         s = self.fp8_spec
         xq = _QuantizeOperand.apply(x, s, False)
-        wq = _QuantizeOperand.apply(self.weight, s, True)
+        wq = _QuantizeOperand.apply(self.weight, s, True, _kept_weight(self.weight, s))
         # Bias stays unquantized (added in the accumulator's precision); its gradient is the
         # sum of the already-quantized error.
         b = None if self.bias is None else self.bias.to(s.compute_dtype)
@@ -442,15 +473,28 @@ class Fp8State:
         converted network onto the FP16 grid (stochastically if ``stochastic_rounding``), so the
         master copy carries only FP16 information. The small parameters of a network share one fused
         kernel call, a large one has its own (``fused.round_params_``); one stochastic draw per
-        parameter; no host sync."""
+        parameter; no host sync. A large weight of a layer that rounds it as it is (``scaling=loss``)
+        also gets its next forward operand written in that pass (``_kept_weights``)."""
         if self.backend != "emulated" or self.master_weights != "fp16":
             return
         for model in self.models:
-            # parallel=fsdp2: a DTensor parameter rounds its own shard (rounding is elementwise)
-            params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
-            if params:
-                gen = rounding_generator(params[0].device) if self.stochastic_rounding else None
-                fused.round_params_(params, nf.FP16, stochastic=self.stochastic_rounding, generator=gen)
+            specs = {id(m.weight): m.fp8_spec for m in model.modules()
+                     if isinstance(m, _Fp8Mixin) and m.fp8_spec.scaling == "loss"
+                     and getattr(m, "fp8_recipe", None) is None}  # fmt: skip
+            # parallel=fsdp2: a DTensor parameter rounds its own shard (rounding is elementwise); the
+            # forward reads the gathered weight, so a shard's rounding is kept for nothing
+            params = list(model.parameters())
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+            spec = [specs.get(id(p)) if q is p else None for p, q in zip(params, local, strict=True)]
+            if not local:
+                continue
+            gen = rounding_generator(local[0].device) if self.stochastic_rounding else None
+            forward = [None if s is None else _ELEMENT[s.forward] for s in spec]
+            out = fused.round_params_(local, nf.FP16, stochastic=self.stochastic_rounding, generator=gen,
+                                      forward=forward)
+            for p, s, q in zip(params, spec, out, strict=True):
+                if s is not None and q is not None:
+                    _kept_weights[p] = _KeptWeight(p._version, s.forward, s.compute_dtype, q.to(s.compute_dtype))
 
 
 _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}

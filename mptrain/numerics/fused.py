@@ -44,7 +44,7 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -618,7 +618,8 @@ def _plan_blocks(x: Tensor, dim: int, kind: str, stochastic: bool, cpu: bool, ro
 
 
 def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool = False,
-                  generator: RoundingStream | None = None) -> None:
+                  generator: RoundingStream | None = None,
+                  forward: Sequence[ElementFormat | None] | None = None) -> list[Tensor | None]:
     """Round every tensor in place onto ``fmt``, one draw per tensor in order (FP8's FP16 masters).
     The reference: ``p.copy_(quantize(p, fmt))`` or ``stochastic_round`` for each p.
 
@@ -627,7 +628,14 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
     A tensor of ``_ALONE`` elements or more rounds in place in a call of its own, which costs less
     than copying it in and out (an MLP's 1024x1024 weights). Stochastic rounding outside a run (no
     stream given), or from a torch.Generator, keeps one call per tensor: each draws its own key from
-    the global RNG, as the reference does, or runs the reference."""
+    the global RNG, as the reference does, or runs the reference.
+
+    ``forward`` (one format or None per tensor): a tensor that rounds in a call of its own also gets
+    its rounded value rounded to nearest onto that format, written in the same pass (``round_to_element``
+    of the result, bit for bit: an FP8 layer's next forward weight). Returns those, None elsewhere
+    (small tensors that share a kernel, the reference)."""
+    out: list[Tensor | None] = [None] * len(params)
+    fwd = list(forward) if forward is not None else out
     same = bool(params) and all(p.is_contiguous() and p.dtype == params[0].dtype and p.device == params[0].device
                                 for p in params)  # fmt: skip
     if same and enabled(params[0]) and _fits(fmt) and (not stochastic or isinstance(generator, RoundingStream)):
@@ -638,17 +646,27 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
                 _round_group(params[lo:hi], fmt, keys, _nth(first, lo))
                 continue
             for i in range(lo, hi):
-                _run("round_", _opts(stochastic), params[i].view(-1), *_elem(fmt, params[i].device), keys,
-                     _nth(first, i))
-        return
-    for p in params:
+                out[i] = _round_alone(params[i], fmt, stochastic, keys, _nth(first, i), fwd[i], _run)
+        return out
+    for i, p in enumerate(params):
         if enabled(p) and _fits(fmt) and p.is_contiguous() and p.numel():
             with contextlib.suppress(_Unfused):
                 keys, counter = _stream(p, stochastic, generator)
-                _call("round_", _opts(stochastic), p.view(-1), *_elem(fmt, p.device), keys, counter)
+                out[i] = _round_alone(p, fmt, stochastic, keys, counter, fwd[i], _call)
                 continue
         gen = generator if generator is not None or not stochastic else global_stream(p.device)
         p.copy_(nf.round_to_element(p, fmt, stochastic=stochastic, generator=gen))
+    return out
+
+
+def _round_alone(p: Tensor, fmt: ElementFormat, stochastic: bool, keys: Tensor | None, counter: Tensor | None,
+                 forward: ElementFormat | None, call: Callable[..., Any]) -> Tensor | None:
+    """One tensor of ``round_params_`` in place, in a call of its own; its forward copy if asked for."""
+    if forward is None or not _fits(forward):
+        call("round_", _opts(stochastic), p.view(-1), *_elem(fmt, p.device), keys, counter)
+        return None
+    return call("round_fwd_", _opts(stochastic), p.view(-1), *_elem(fmt, p.device), keys, counter,
+                *_elem(forward, p.device)).view(p.shape)
 
 
 _GROUP = 2**24  # elements rounded by one call of round_params_'s kernel, at most (but one larger tensor)

@@ -105,6 +105,17 @@ def _k_round_(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: T
     x.copy_(_round(x.float(), pf, pi, u).to(x.dtype))
 
 
+def _k_round_fwd_(x: Tensor, pf: Tensor, pi: Tensor, keys: Tensor | None, counter: Tensor | None, pf2: Tensor,
+                  pi2: Tensor) -> Tensor:
+    """``_k_round_``, and in the same pass the rounded tensor rounded to nearest (saturating) onto a
+    second format, out of place in x's dtype: a converted FP8 layer's next forward weight, which
+    ``fp8.Fp8State.after_step`` writes while it rounds the master (``_k_round`` of the result, bit for bit)."""
+    u = _uniform(x.shape[0], x.device, keys, counter) if keys is not None else None
+    r = _round(x.float(), pf, pi, u).to(x.dtype)
+    x.copy_(r)
+    return _round(r.float(), pf2, pi2, None).to(x.dtype)
+
+
 def _k_round_all(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Tensor, pi: Tensor,
                  keys: Tensor | None, first: Tensor | None) -> Tensor:
     """``_k_round_`` on the concatenation of several flat tensors, out of place: element k belongs
@@ -397,6 +408,7 @@ def _cast_in_kernel(local: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 
 _BODIES: dict[str, Callable[..., Any]] = {
-    "round": _k_round, "round_": _k_round_, "round_all": _k_round_all, "write_all": _k_write_all,
-    "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
+    "round": _k_round, "round_": _k_round_, "round_fwd_": _k_round_fwd_, "round_all": _k_round_all,
+    "write_all": _k_write_all, "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis, "blocks": _k_blocks,
+    "tiles": _k_tiles,
 }  # fmt: skip
