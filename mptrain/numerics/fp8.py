@@ -290,8 +290,8 @@ class _KeptWeight(NamedTuple):
 # two ways side by side). Keyed by the weight tensor itself, and used only while
 # its version counter says nothing has written to it since: an optimizer step, load_state_dict or any
 # in-place op makes the forward round it again. (Writes through ``.data`` bypass version counters, as
-# they bypass autograd's own checks; mptrain makes none.) Costs one weight-sized copy between steps
-# (during a step the forward's rounded weight is held for the backward either way).
+# they bypass autograd's own checks; mptrain makes none to these weights.) Costs one weight-sized copy
+# between steps (during a step the forward's rounded weight is held for the backward either way).
 _kept_weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
