@@ -7,7 +7,11 @@ process, on a CPU. ``--change`` picks the path:
   ``conv`` (every quantized convolution through aten's, as before) and ``gemm`` (the library's);
 - ``row_windows``: wgrad's x operand quantized as x's row windows, each once, where the im2col
   columns repeat them (``qgemm._quantized_rows``: ResNet's stem under NVFP4). The ways are
-  ``columns`` (the columns quantized, as before) and ``rows`` (the library's).
+  ``columns`` (the columns quantized, as before) and ``rows`` (the library's);
+- ``kept_weight``: FP8's forward weight taken from the FP16 master's rounding, which writes it in the
+  same pass (``fp8._kept_weight``), or rounded by the forward (``rounded``, as before; ``kept``, the
+  library's). Only ``scaling=loss`` keeps it: ``fp8 hybrid tensor`` is the control. The kept weight
+  is written by one step and read by the next, so the weights are compared after two steps.
 
 Each mode's training step runs both ways in interleaved rounds, and FP32's step beside them (which
 no quantized layer touches). Per-tensor FP8 (``fp8 hybrid``, ``fp8 hybrid tensor``) convolves its
@@ -18,6 +22,7 @@ and rounding streams says whether the two ways' weights came out bit-identical.
 
     python scripts/pointwise_bench.py --out docs/benchmarks --name cpu-2026-11-30-amx-pointwise
     python scripts/pointwise_bench.py --change row_windows --modes mxfp8,nvfp4 --name cpu-...-row-windows
+    python scripts/pointwise_bench.py --change kept_weight --modes "fp8 hybrid,fp8 hybrid tensor" --name ...
 """
 
 from __future__ import annotations
@@ -32,24 +37,27 @@ import bench_formats  # the script beside this one (its directory leads sys.path
 import torch
 
 from mptrain.bench.common import cpu_header, cpu_script_stamp, load_averages, write_report
-from mptrain.numerics import qgemm, rounding_rng
+from mptrain.numerics import fp8, qgemm, rounding_rng
 
 MODEL = "resnet50/8"
 MODES = ("fp8 hybrid", "fp8 hybrid tensor", "fp8 hybrid rowwise", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
-# --change: (the way without the path, the way with it, qgemm's function for the path (None from it:
-# not here), what the report's title says)
+# --change: (the way without the path, the way with it, the module and function of the path (None
+# from it: not here), what the report's title says, steps before the weights are compared)
 CHANGES = {
-    "pointwise": ("conv", "gemm", "_pointwise", "1x1 convolutions as GEMMs or as convolutions"),
-    "row_windows": ("columns", "rows", "_quantized_rows",
-                    "wgrad's x operand quantized as row windows or as im2col columns"),
+    "pointwise": ("conv", "gemm", qgemm, "_pointwise", "1x1 convolutions as GEMMs or as convolutions", 1),
+    "row_windows": ("columns", "rows", qgemm, "_quantized_rows",
+                    "wgrad's x operand quantized as row windows or as im2col columns", 1),
+    "kept_weight": ("rounded", "kept", fp8, "_kept_weight",
+                    "FP8 forward weights kept from the master's rounding or rounded by the forward", 2),
 }  # fmt: skip
-_library = {name: getattr(qgemm, fn) for name, (_, _, fn, _) in CHANGES.items()}
+SAME = {1: "same_weights_after_one_step", 2: "same_weights_after_two_steps"}  # the rows' key, by steps
+_library = {name: getattr(module, fn) for name, (_, _, module, fn, _, _) in CHANGES.items()}
 _change = "pointwise"
 
 
 def _way(on: bool) -> None:
-    fn = CHANGES[_change][2]
-    setattr(qgemm, fn, _library[_change] if on else (lambda *a, **k: None))
+    _, _, module, fn, _, _ = CHANGES[_change]
+    setattr(module, fn, _library[_change] if on else (lambda *a, **k: None))
 
 
 def _cell(mode: str) -> Any:
@@ -58,14 +66,15 @@ def _cell(mode: str) -> Any:
     return cell
 
 
-def _same_first_step(mode: str, x: torch.Tensor, y: torch.Tensor) -> bool:
-    """One step of each way from one seed and fresh rounding streams: the same weights, bit for bit?"""
+def _same_weights(mode: str, x: torch.Tensor, y: torch.Tensor, steps: int) -> bool:
+    """``steps`` steps of each way from one seed and fresh rounding streams: the same weights, bit for bit?"""
     weights = []
     for on in (False, True):
         _way(on)
         rounding_rng.seed_rounding(0)
         cell = _cell(mode)
-        bench_formats.step(cell, x, y)
+        for _ in range(steps):
+            bench_formats.step(cell, x, y)
         weights.append([p.detach().clone() for p in cell.model.parameters()])
     _way(True)
     return all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
@@ -81,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     global _change
     _change = args.change
-    off, on, _, _ = CHANGES[_change]
+    off, on, _, _, _, steps = CHANGES[_change]
     info = cpu_script_stamp("pointwise_bench.py", argv)
     _, batch, shape, classes = bench_formats.MODELS[MODEL]
     g = torch.Generator().manual_seed(0)
@@ -89,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_formats.keep_freed_host_memory()
     rows = []
     for mode in args.modes.split(","):
-        same = _same_first_step(mode, x, y)
+        same = _same_weights(mode, x, y, steps)
         cells = {"fp32": _cell("fp32"), off: _cell(mode), on: _cell(mode)}
         for way, cell in cells.items():
             _way(way != off)
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         ms = {way: round(1e3 * statistics.median(t), 2) for way, t in times.items()}
         rows.append({"mode": mode, "step_ms_cpu": ms, f"{on}_vs_{off}": round(ms[on] / ms[off], 3),
                      "vs_fp32_cpu": {w: round(ms[w] / ms["fp32"], 2) for w in (off, on)},
-                     "same_weights_after_one_step": same})  # fmt: skip
+                     SAME[steps]: same})  # fmt: skip
         print(rows[-1], flush=True)
     result = {"info": info | {"load_average_end": load_averages()}, "model": MODEL, "rounds": args.rounds,
               "change": _change, "rows": rows}
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def markdown(r: dict[str, Any]) -> str:
-    off, on, _, title = CHANGES[r.get("change", "pointwise")]  # runs before --change: pointwise
+    off, on, _, _, title, _ = CHANGES[r.get("change", "pointwise")]  # runs before --change: pointwise
     lines = [
         *cpu_header(r["info"], f"{r['model']}'s {title}, side by side",
                     f"- method: see the script's docstring; median CPU time of a training step over {r['rounds']} "
@@ -127,7 +136,7 @@ def markdown(r: dict[str, Any]) -> str:
         ms, vs = row["step_ms_cpu"], row["vs_fp32_cpu"]
         lines.append(f"| {row['mode']} | {ms['fp32']:.1f} | {ms[off]:.1f} | {ms[on]:.1f} | "
                      f"{row[f'{on}_vs_{off}']:.3f} | {vs[off]:.2f}× | {vs[on]:.2f}× | "
-                     f"{'yes' if row['same_weights_after_one_step'] else 'no'} |")
+                     f"{'yes' if any(row.get(k) for k in SAME.values()) else 'no'} |")
     return "\n".join([*lines, ""])
 
 

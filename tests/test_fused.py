@@ -545,20 +545,22 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
 @pytest.mark.kernels("elements")
 @pytest.mark.parametrize("stream", [True, False], ids=["run's stream", "no stream"])
 def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``round_params_(forward=...)``: a tensor rounded in a call of its own also returns its new value
-    rounded to nearest onto the forward format, as ``formats.round_to_element`` rounds it; the masters
-    themselves round and draw as without it. Tensors with no forward format, and the small ones where
-    they share one kernel, return None: stochastic rounding with no stream rounds each in a call of its own."""
+    """``round_params_(forward=...)``: every tensor that asks for it (in a call of its own, or in a
+    small ones' group, whose copies are views of one buffer) also gets its new value rounded to
+    nearest onto its forward format, as ``formats.round_to_element`` rounds it; the masters themselves
+    round and draw as without it. A group that asks for two formats gets none."""
     monkeypatch.setattr(fused, "_ALONE", 1000)
     g = torch.Generator().manual_seed(17)
     params = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 3, (), generator=g).item()
-              for s in ((40, 30), (7,), (50, 25), (33, 40), (9,))]  # fmt: skip
+              for s in ((40, 30), (7, 9), (50, 25), (33, 40), (9,), (5, 6), (4,), (3, 3))]  # fmt: skip
     params[0][0, :5] = torch.tensor([math.nan, -math.inf, 1e6, 2.0**-30, 0.0])  # past E4M3's max, under its subnormals
     # Just past a tie of the forward format, within an FP16 ulp: rounded to FP16 first (as the forward
     # sees the master), they fall on the tie and round down to even; rounded as they were, up.
     params[0][1, :4] = torch.tensor([1.0625, 2.125, -4.25, 8.5]) * (1 + 2.0**-20)  # E4M3's ties
+    params[1][1, :4] = torch.tensor([1.0625, 2.125, -4.25, 8.5]) * (1 + 2.0**-20)
     params[2][1, :2] = torch.tensor([1.125, -2.25]) * (1 + 2.0**-20)  # E5M2's
-    forward = [nf.E4M3, nf.E4M3, nf.E5M2, None, None]
+    # alone, alone, a group (E4M3 and none), alone, a group asking for two formats
+    forward = [nf.E4M3, nf.E4M3, nf.E5M2, None, None, nf.E4M3, nf.E4M3, nf.E5M2]
     for stochastic in (False, True):
         got, want = [p.clone() for p in params], [p.clone() for p in params]
         a, b = (RoundingStream(5), RoundingStream(5)) if stream else (None, None)
@@ -568,19 +570,22 @@ def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, monk
         fused.round_params_(want, nf.FP16, stochastic=stochastic, generator=b)
         for x, y in zip(got, want, strict=True):
             assert_same(x, y)
-        grouped = stream or not stochastic
-        assert [q is None for q in out] == [False, grouped, False, True, True]
-        for i in (0, 2) if grouped else (0, 1, 2):
+        grouped = stream or not stochastic  # else each tensor has a call of its own
+        kept = [0, 1, 2, *((5, 6, 7) if not grouped else ())]
+        assert [i for i, q in enumerate(out) if q is not None] == kept
+        for i in kept:
             assert out[i].shape == params[i].shape  # type: ignore[union-attr]
             assert_same(out[i], nf.round_to_element(want[i], forward[i]))  # type: ignore[arg-type]
 
 
 def _hybrid_steps(steps: int, kept: bool, monkeypatch: pytest.MonkeyPatch,
-                  between: Callable[[nn.Module], None] | None = None) -> tuple[list[torch.Tensor], list[float], int]:
+                  between: Callable[[nn.Module], None] | None = None,
+                  conv: bool = False) -> tuple[list[torch.Tensor], list[float], int]:
     """FP8 hybrid (FP16 masters, stochastic rounding, the run's stream) on an MLP whose first weight
-    rounds alone: its weights and losses after ``steps`` steps, and how often a forward rounded that
-    weight itself. ``kept=False``: the forward never takes what ``after_step`` wrote. ``between(model)``
-    runs after each step."""
+    rounds alone (``conv``: a small convolutional net whose weights all round in one group): its
+    weights and losses after ``steps`` steps, and how often a forward rounded the first weight itself.
+    ``kept=False``: the forward never takes what ``after_step`` wrote. ``between(model)`` runs after
+    each step."""
     from omegaconf import OmegaConf
 
     from mptrain.config import FP8PrecisionConfig
@@ -601,12 +606,14 @@ def _hybrid_steps(steps: int, kept: bool, monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(fp8.Fp8LayerSpec, "round_operand", count)
     rounding_rng.seed_rounding(0)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    model = (nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                           nn.ReLU(), nn.Flatten(), nn.Linear(8 * 2 * 2, 10)) if conv
+             else nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))  # fmt: skip
     precision = build_precision(OmegaConf.structured(FP8PrecisionConfig(name="fp8", format="hybrid")),
                                 torch.device("cpu"))
     model = precision.prepare_model(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    x, y = (torch.randn(16, 3, 8, 8) if conv else torch.randn(32, 64)), torch.randint(0, 10, (16 if conv else 32,))
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -622,12 +629,13 @@ def _hybrid_steps(steps: int, kept: bool, monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.kernels("elements")
-def test_fp8_forward_takes_the_weight_that_master_rounding_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("conv", [False, True], ids=["a weight alone", "weights in a group"])
+def test_fp8_forward_takes_the_weight_that_master_rounding_wrote(conv: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """FP8 hybrid rounds each FP16 master and writes its next E4M3 forward weight in one pass: the
     forward rounds the weight only on the first step, and training is bit for bit what it is when
-    every forward rounds the weight itself."""
-    got, got_losses, got_rounded = _hybrid_steps(3, True, monkeypatch)
-    want, want_losses, want_rounded = _hybrid_steps(3, False, monkeypatch)
+    every forward rounds the weight itself (Linear and Conv2d, their weights alone or in a group)."""
+    got, got_losses, got_rounded = _hybrid_steps(3, True, monkeypatch, conv=conv)
+    want, want_losses, want_rounded = _hybrid_steps(3, False, monkeypatch, conv=conv)
     assert (got_rounded, want_rounded) == (1, 3)
     assert got_losses == want_losses
     for a, b in zip(got, want, strict=True):

@@ -319,7 +319,7 @@ def _signature(name: str, options: str, x: Tensor, args: tuple[Any, ...]) -> tup
 
 # Kernels that only read their arguments: their compiled functions may be called directly. The
 # in-place ones (round_, bf16_) keep dynamo's path.
-_PURE = frozenset({"round", "scaled", "axis", "blocks", "tiles", "round_all", "write_all"})
+_PURE = frozenset({"round", "scaled", "axis", "blocks", "tiles", "round_all", "round_all_fwd", "write_all"})
 
 
 def _bits(t: Tensor) -> Tensor:

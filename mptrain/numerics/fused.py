@@ -630,10 +630,10 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
     stream given), or from a torch.Generator, keeps one call per tensor: each draws its own key from
     the global RNG, as the reference does, or runs the reference.
 
-    ``forward`` (one format or None per tensor): a tensor that rounds in a call of its own also gets
-    its rounded value rounded to nearest onto that format, written in the same pass (``round_to_element``
-    of the result, bit for bit: an FP8 layer's next forward weight). Returns those, None elsewhere
-    (small tensors that share a kernel, the reference)."""
+    ``forward`` (one format or None per tensor): a tensor also gets its rounded value rounded to
+    nearest onto that format, written in the same pass (``round_to_element`` of the result, bit for
+    bit: an FP8 layer's next forward weight); small ones that share a kernel, where their group asks
+    for one format. Returns those, None elsewhere (and on the reference)."""
     out: list[Tensor | None] = [None] * len(params)
     fwd = list(forward) if forward is not None else out
     same = bool(params) and all(p.is_contiguous() and p.dtype == params[0].dtype and p.device == params[0].device
@@ -643,7 +643,7 @@ def round_params_(params: list[Tensor], fmt: ElementFormat, *, stochastic: bool 
         small = [p.numel() < _ALONE for p in params]
         for lo, hi in _groups([p.numel() for p in params], _GROUP, small):
             if small[lo]:
-                _round_group(params[lo:hi], fmt, keys, _nth(first, lo))
+                out[lo:hi] = _round_group(params[lo:hi], fmt, keys, _nth(first, lo), fwd[lo:hi])
                 continue
             for i in range(lo, hi):
                 out[i] = _round_alone(params[i], fmt, stochastic, keys, _nth(first, i), fwd[i], _run)
@@ -747,12 +747,22 @@ def _scatter(dst: list[Tensor], flat: Tensor) -> None:
     torch._foreach_copy_(dst, [t.view(p.shape) for t, p in zip(flat.split([p.numel() for p in dst]), dst, strict=True)])
 
 
-def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, first: Tensor | None) -> None:
+def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, first: Tensor | None,
+                 forward: list[ElementFormat | None]) -> list[Tensor | None]:
+    """A group of ``round_params_``'s small tensors in one call; with one forward format among them, each
+    that asks for it gets its forward copy, a view of one buffer the same call writes."""
     flat, which, starts = _concat(params, keys is not None)
-    if not flat.numel():
-        return
-    _scatter(params, _run("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys,
-                          first))
+    asked = {f for f in forward if f is not None}
+    if not flat.numel() or len(asked) != 1 or not _fits(fwd := asked.pop()):
+        if flat.numel():
+            _scatter(params, _run("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device),
+                                  keys, first))
+        return [None] * len(params)
+    r, q = _run("round_all_fwd", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys, first,
+                *_elem(fwd, flat.device))
+    _scatter(params, r)
+    return [None if f is None else t.view(p.shape)
+            for t, p, f in zip(q.split([p.numel() for p in params]), params, forward, strict=True)]
 
 
 def _write_group(dst: list[Tensor], src: list[Tensor], keys: Tensor, first: Tensor) -> None:

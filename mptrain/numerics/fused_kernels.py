@@ -129,6 +129,13 @@ def _k_round_all(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Ten
     return _round(x.float(), pf, pi, u).to(x.dtype)
 
 
+def _k_round_all_fwd(x: Tensor, which: Tensor | None, starts: Tensor | None, pf: Tensor, pi: Tensor,
+                     keys: Tensor | None, first: Tensor | None, pf2: Tensor, pi2: Tensor) -> tuple[Tensor, Tensor]:
+    """``_k_round_all``, and its result rounded to nearest onto a second format, as ``_k_round_fwd_``."""
+    r = _k_round_all(x, which, starts, pf, pi, keys, first)
+    return r, _round(r.float(), pf2, pi2, None).to(x.dtype)
+
+
 def _k_write_all(m: Tensor, which: Tensor, starts: Tensor, pf: Tensor, pi: Tensor, keys: Tensor, first: Tensor,
                  bf16: bool) -> Tensor:
     """``_k_bf16_``, or ``_k_round`` onto FP16 (stochastic, saturating), on the concatenation of
@@ -409,6 +416,6 @@ def _cast_in_kernel(local: Tensor, dtype: torch.dtype | None) -> Tensor:
 
 _BODIES: dict[str, Callable[..., Any]] = {
     "round": _k_round, "round_": _k_round_, "round_fwd_": _k_round_fwd_, "round_all": _k_round_all,
-    "write_all": _k_write_all, "bf16_": _k_bf16_, "scaled": _k_scaled, "axis": _k_axis, "blocks": _k_blocks,
-    "tiles": _k_tiles,
+    "round_all_fwd": _k_round_all_fwd, "write_all": _k_write_all, "bf16_": _k_bf16_, "scaled": _k_scaled,
+    "axis": _k_axis, "blocks": _k_blocks, "tiles": _k_tiles,
 }  # fmt: skip
