@@ -543,8 +543,10 @@ def test_fp16_master_rounding_given_up_runs_the_same_arithmetic(monkeypatch: pyt
 
 
 @pytest.mark.kernels("elements")
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("stream", [True, False], ids=["run's stream", "no stream"])
-def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, device: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``round_params_(forward=...)``: every tensor that asks for it (in a call of its own, or in a
     small ones' group, whose copies are views of one buffer) also gets its new value rounded to
     nearest onto its forward format, as ``formats.round_to_element`` rounds it; the masters themselves
@@ -561,9 +563,10 @@ def test_fp16_master_rounding_writes_the_next_forward_operand(stream: bool, monk
     params[2][1, :2] = torch.tensor([1.125, -2.25]) * (1 + 2.0**-20)  # E5M2's
     # alone, alone, a group (E4M3 and none), alone, a group asking for two formats
     forward = [nf.E4M3, nf.E4M3, nf.E5M2, None, None, nf.E4M3, nf.E4M3, nf.E5M2]
+    params = [p.to(device) for p in params]
     for stochastic in (False, True):
         got, want = [p.clone() for p in params], [p.clone() for p in params]
-        a, b = (RoundingStream(5), RoundingStream(5)) if stream else (None, None)
+        a, b = (RoundingStream(5, device), RoundingStream(5, device)) if stream else (None, None)
         torch.manual_seed(0)  # no stream: each tensor's key comes from the global RNG, in both
         out = fused.round_params_(got, nf.FP16, stochastic=stochastic, generator=a, forward=forward)
         torch.manual_seed(0)
