@@ -17,8 +17,9 @@ bandwidth (16 MiB, after a pass over a 64 MiB buffer). Freed host memory is kept
 
 A third model runs the mode as it was before ``Fp8State.after_step`` wrote each weight's next E4M3
 forward operand in the pass that rounds its FP16 master (``fp8._kept_weights``): its forward rounds
-the weight itself. It steps in the same rounds, and one step of each way from the same state and
-global RNG says whether the two ways' weights came out bit-identical.
+the weight itself. It steps in the same rounds, and two steps of each way from the same state and
+rounding stream say whether the two ways' weights came out bit-identical. Stochastic rounding draws
+from the run's stream, as in bench_formats.
 
     python scripts/hybrid_gap_bench.py --out docs/benchmarks --name cpu-2026-12-03-amx-hybrid-gap
 """

@@ -287,11 +287,11 @@ class _KeptWeight(NamedTuple):
 # pass that rounds the FP16 master (``fused.round_params_``'s ``forward``), so the forward does not
 # read and round the weight once more: one weight-sized pass less a step, the cost that separates
 # FP8 hybrid's step from FP32's most on a small-batch MLP (scripts/hybrid_gap_bench.py measures the
-# two ways side by side). Keyed by the weight tensor itself, and used only while
-# its version counter says nothing has written to it since: an optimizer step, load_state_dict or any
-# in-place op makes the forward round it again. (Writes through ``.data`` bypass version counters, as
-# they bypass autograd's own checks; mptrain makes none to these weights.) Costs one weight-sized copy
-# between steps (during a step the forward's rounded weight is held for the backward either way).
+# two ways side by side). Keyed by the weight tensor itself, and used only while its version counter
+# says nothing has written to it since: an optimizer step, load_state_dict or any in-place op makes
+# the forward round it again. (Writes through ``.data`` bypass version counters, as they bypass
+# autograd's own checks; mptrain makes none to these weights.) Costs one weight-sized copy between
+# steps (during a step the forward's rounded weight is held for the backward either way).
 _kept_weights: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
@@ -473,8 +473,8 @@ class Fp8State:
         converted network onto the FP16 grid (stochastically if ``stochastic_rounding``), so the
         master copy carries only FP16 information. The small parameters of a network share one fused
         kernel call, a large one has its own (``fused.round_params_``); one stochastic draw per
-        parameter; no host sync. A large weight of a layer that rounds it as it is (``scaling=loss``)
-        also gets its next forward operand written in that pass (``_kept_weights``)."""
+        parameter; no host sync. The weight of a layer that rounds it as it is (``scaling=loss``) also
+        gets its next forward operand written in that pass (``_kept_weights``)."""
         if self.backend != "emulated" or self.master_weights != "fp16":
             return
         for model in self.models:

@@ -752,14 +752,15 @@ def _round_group(params: list[Tensor], fmt: ElementFormat, keys: Tensor | None, 
     """A group of ``round_params_``'s small tensors in one call; with one forward format among them, each
     that asks for it gets its forward copy, a view of one buffer the same call writes."""
     flat, which, starts = _concat(params, keys is not None)
-    asked = {f for f in forward if f is not None}
-    if not flat.numel() or len(asked) != 1 or not _fits(fwd := asked.pop()):
-        if flat.numel():
-            _scatter(params, _run("round_all", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device),
-                                  keys, first))
+    if not flat.numel():
         return [None] * len(params)
-    r, q = _run("round_all_fwd", _opts(keys is not None), flat, which, starts, *_elem(fmt, flat.device), keys, first,
-                *_elem(fwd, flat.device))
+    asked = {f for f in forward if f is not None}
+    fwd = asked.pop() if len(asked) == 1 else None
+    opts, elem = _opts(keys is not None), _elem(fmt, flat.device)
+    if fwd is None or not _fits(fwd):
+        _scatter(params, _run("round_all", opts, flat, which, starts, *elem, keys, first))
+        return [None] * len(params)
+    r, q = _run("round_all_fwd", opts, flat, which, starts, *elem, keys, first, *_elem(fwd, flat.device))
     _scatter(params, r)
     return [None if f is None else t.view(p.shape)
             for t, p, f in zip(q.split([p.numel() for p in params]), params, forward, strict=True)]
