@@ -728,3 +728,24 @@ def test_the_kept_weight_runs_in_prose_are_their_data() -> None:
     assert_in_notes([f"side by side, FP8 hybrid's MLP step took {gap[0]:.3f}× and {gap[1]:.3f}× as long",
                      f"its ResNet-50/8 step {resnet[0]:.3f}× and {resnet[1]:.3f}×",
                      f"(FP8 hybrid on the MLP at batch 128: {hybrid[0]:.3f}× and {hybrid[2]:.3f}×)"], "README.md")
+
+
+KEPT_CAPPED = ("cpu-2026-12-03-amx-capped-avx2-hybrid-gap-kept-93e8438",
+               "cpu-2026-12-03-amx-capped-avx2-kept-weight-resnet-93e8438")
+
+
+def kept_capped_phrases() -> list[str]:
+    """The kept weights' two side-by-side runs on this Xeon capped to AVX2."""
+    gap, resnet = (benchmark(n) for n in KEPT_CAPPED)
+    assert gap["info"]["cpu_capability"] == resnet["info"]["cpu_capability"] == "AVX2"
+    rows = {r["mode"]: r for r in resnet["rows"]}
+    hybrid, control = rows["fp8 hybrid"], rows["fp8 hybrid tensor"]
+    assert gap["same_weights"] and all(r["same_weights_after_two_steps"] for r in rows.values())
+    assert gap["kept_vs_rounded"] < 1 and hybrid["kept_vs_rounded"] < control["kept_vs_rounded"]
+    return [f"FP8 hybrid's MLP step at batch 128 took {gap['kept_vs_rounded']:.3f}× as long with the kept weights "
+            f"({gap['rounded_vs_fp32_cpu']:.2f}× → {gap['vs_fp32_cpu']:.2f}× FP32), its ResNet-50/8 step "
+            f"{hybrid['kept_vs_rounded']:.3f}× (the control {control['kept_vs_rounded']:.3f}×)"]
+
+
+def test_the_capped_kept_weight_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(kept_capped_phrases())
