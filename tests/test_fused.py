@@ -193,6 +193,29 @@ def test_blocks_rotated_inside_their_kernel(monkeypatch: pytest.MonkeyPatch) -> 
         fused.quantize_blocks(torch.randn(4, 24), fmt, 1, rotation=r)
 
 
+@pytest.mark.kernels("blocks")
+def test_exactly_one_rotated_block_along_the_dim_compiles_no_second_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVFP4's recipe rotates wgrad's operands along the dim it reduces, which at batch 2 held exactly one
+    block of 16 in a ResNet-50/8 step. A CPU rotates such (A, 16, 1) operands as (A * 16 / 16, 1, 16, 1)
+    blocks: viewed from (A, N, 1), that view compared A * (N / 16) with A, and dynamo specialised N to
+    16, so the next operand compiled the kernel again (fused_kernels._k_blocks; two kernels in that
+    run). Then 32 and 48 along the dim, to nearest and stochastic, all against the reference."""
+    as_a_fresh_process(monkeypatch)
+    fmt = BLOCK_FORMATS["nvfp4"]
+    r = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
+                             torch.float32)  # fmt: skip
+    for n in (16, 32, 48):
+        x = adversarial(24, n, seed=n)
+        assert_same(*both(lambda x=x: fused.quantize_blocks(x, fmt, 1, rotation=r)))
+        a, b = stream_pair(seed=n)
+        got = fused.quantize_blocks(x, fmt, 1, stochastic=True, generator=a, rotation=r)
+        with fused.reference():
+            want = fused.quantize_blocks(x, fmt, 1, stochastic=True, generator=b, rotation=r)
+        assert_same(got, want)
+    graphs = {k: len(backend.graphs) for k, (_, backend) in compiled_calls._kernels.items() if k.startswith("blocks")}
+    assert len(graphs) == 2 and set(graphs.values()) == {1}, graphs
+
+
 def test_the_rotation_is_the_hadamard_product() -> None:
     """``mx.rotate`` (an ordered sum, so that a kernel can reproduce it) against the dense product
     with H * diag(signs) / 4 (a BLAS GEMM): equal up to FP32 rounding, and orthogonal."""
@@ -829,14 +852,15 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
 @pytest.mark.kernels("blocks")
 def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct call of a kernel call is built from the graph that dynamo ran for it, among the
-    variant's graphs (here two: a single rotated block compiles a graph of its own, fused._plan_blocks),
-    and only when that graph, called directly, returns what dynamo's call returned."""
+    variant's graphs (here two: with no dim marked dynamic, a second size compiles a graph of its
+    own), and only when that graph, called directly, returns what dynamo's call returned."""
     as_a_fresh_process(monkeypatch)
+    monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **k: None)
     fmt = BLOCK_FORMATS["nvfp4"]
     rot = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
                                torch.float32)  # fmt: skip
     args = (*fused_kernels._elem(fmt.element, torch.device("cpu")), "nvfp4", False, None, None, rot)
-    for cols in (96, 16, 64):  # a dynamic graph, then one for a single block, then the first again
+    for cols in (96, 64):  # a graph for each
         x = adversarial(64, cols, seed=cols)
         for _ in range(2):  # dynamo's call, then the direct one
             got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1, rotation=rot))
@@ -847,11 +871,11 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
                           args[1].shape, "nvfp4", False, None, None, rot.shape]  # fmt: skip
     with torch.no_grad():  # as _call runs it: grad mode is one of dynamo's guards
         out = entry.kernel(x3, *args)
-    (gm, fn), (gm_one, fn_one) = entry.backend.graphs
-    assert entry.backend.ran == 0
+    (gm_96, fn_96), (gm, fn) = entry.backend.graphs
+    assert entry.backend.ran == 1
     of, body = compiled_calls._Direct.of, fused_kernels._k_blocks
     assert of(gm, fn, body, "k", x3, args, out) is not None
-    assert of(gm_one, fn_one, body, "k", x3, args, out) is None  # not the graph that ran
+    assert of(gm_96, fn_96, body, "k", x3, args, out) is None  # not the graph that ran
     wrong = (out[0] + 1, *out[1:])
     assert of(gm, fn, body, "k", x3, args, wrong) is None  # not what dynamo returned
 

@@ -329,9 +329,13 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     if rot is not None:
         k = rot.shape[1]
         # flat blocks rotated as they are: rotated in the (A, N / 16, 16, 1) view and viewed flat
-        # after, a (147, 8192) call (ResNet-50/8's stem, wgrad) took about ten times as long
+        # after, a (147, 8192) call (ResNet-50/8's stem, wgrad) took about ten times as long. Viewed
+        # from the flat run, not from (A, N, 1): that view compared A * (N / 16) with A, and with one
+        # block along N (batch 2) dynamo specialised N to 16 and compiled the kernel again for the
+        # next operand. (Written as (A * N) / 16, the rows lost their fusion with the draws' index
+        # loop: one more loop in inductor's code.)
         if flat and k == bs:
-            xf = mx.rotate_blocks(xf.view(a * (n // k), 1, k, 1), rot, 2)
+            xf = mx.rotate_blocks(xf.reshape(-1).view(a * (n // k), 1, k, 1), rot, 2)
         else:
             xf = mx.rotate_blocks(xf.view(a, n // k, k, b), rot, 2).view(a, n, b)
     rows, nb, k = (a * (n // bs), 1, bs) if flat else (a, 1, n) if short else (a, n // bs, bs)
