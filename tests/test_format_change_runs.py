@@ -749,3 +749,29 @@ def kept_capped_phrases() -> list[str]:
 
 def test_the_capped_kept_weight_runs_in_prose_are_their_data() -> None:
     assert_in_notes(kept_capped_phrases())
+
+
+B2_ROTATED = {run: tuple(f"cpu-2026-12-04-amx-b2-rotated-{run}{c}" for c in ("2ffc31b", "dfd604b"))
+              for run in ("", "repeat-")}  # fmt: skip
+
+
+def b2_rotated_phrases() -> list[str]:
+    """NVFP4 at batch 2, cold, before and after one rotated block stopped compiling its kernel again."""
+    rows, graphs, compile_s = [], set(), []
+    for run, names in B2_ROTATED.items():
+        before, after = ({r["mode"]: r for r in benchmark(n)["rows"]} for n in names)
+        b, a = before["nvfp4"], after["nvfp4"]
+        assert sorted(b["compiled_again"]) == ["blocks_nvfp4ffr_xx1_float32_cpu", "blocks_nvfp4tfr_xx1_float32_cpu"]
+        assert a["compiled_again"] == [] and a["graphs"] == b["graphs"] - 2
+        rows.append(f"| {'second' if run else 'first'} | {b['graphs']} ({len(b['compiled_again'])}) | "
+                    f"{b['compile_s']:.1f} | {b['vs_fp32_cpu']:.2f}× | {a['graphs']} ({len(a['compiled_again'])}) | "
+                    f"{a['compile_s']:.1f} | {a['vs_fp32_cpu']:.2f}× |")
+        graphs.add((b["graphs"], a["graphs"]))
+        compile_s.append((b["compile_s"], a["compile_s"]))
+    (g_before, g_after), = graphs
+    return [*rows, f"compiled {g_after} graphs where it compiled {g_before}",
+            "in " + " and ".join(f"{a:.1f} s against {b:.1f} s" for b, a in compile_s)]
+
+
+def test_the_b2_rotated_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(b2_rotated_phrases())
