@@ -852,10 +852,12 @@ def test_repeated_calls_skip_dynamo_and_match_the_reference(device: str, monkeyp
 @pytest.mark.kernels("blocks")
 def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) -> None:
     """The direct call of a kernel call is built from the graph that dynamo ran for it, among the
-    variant's graphs (here two: with no dim marked dynamic, a second size compiles a graph of its
-    own), and only when that graph, called directly, returns what dynamo's call returned."""
+    variant's graphs (here two: with every size static, a second size compiles a graph of its own),
+    and only when that graph, called directly, returns what dynamo's call returned."""
     as_a_fresh_process(monkeypatch)
+    # static sizes: no dim marked dynamic, and none made dynamic by what earlier tests ran
     monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **k: None)
+    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     fmt = BLOCK_FORMATS["nvfp4"]
     rot = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
                                torch.float32)  # fmt: skip
