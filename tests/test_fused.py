@@ -857,22 +857,22 @@ def test_a_direct_call_is_the_graph_dynamo_ran(monkeypatch: pytest.MonkeyPatch) 
     as_a_fresh_process(monkeypatch)
     # static sizes: no dim marked dynamic, and none made dynamic by what earlier tests ran
     monkeypatch.setattr(torch._dynamo, "maybe_mark_dynamic", lambda *a, **k: None)
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     fmt = BLOCK_FORMATS["nvfp4"]
     rot = mx.hadamard_rotation(tuple(int(v) for v in GemmRecipe.signs(7).tolist()), torch.device("cpu"),
                                torch.float32)  # fmt: skip
     args = (*fused_kernels._elem(fmt.element, torch.device("cpu")), "nvfp4", False, None, None, rot)
-    for cols in (96, 64):  # a graph for each
-        x = adversarial(64, cols, seed=cols)
-        for _ in range(2):  # dynamo's call, then the direct one
-            got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1, rotation=rot))
-            assert_same(got, want)
-    x3 = x.view(64, 64, 1)
-    entry = compiled_calls._entries["blocks", "nvfp4ffr", x3.shape, x3.dtype, x3.device]
-    assert compiled_calls._directs["blocks", "nvfp4ffr", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
-                          args[1].shape, "nvfp4", False, None, None, rot.shape]  # fmt: skip
-    with torch.no_grad():  # as _call runs it: grad mode is one of dynamo's guards
-        out = entry.kernel(x3, *args)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        for cols in (96, 64):  # a graph for each
+            x = adversarial(64, cols, seed=cols)
+            for _ in range(2):  # dynamo's call, then the direct one
+                got, want = both(lambda x=x: fused.quantize_blocks(x, fmt, -1, rotation=rot))
+                assert_same(got, want)
+        x3 = x.view(64, 64, 1)
+        entry = compiled_calls._entries["blocks", "nvfp4ffr", x3.shape, x3.dtype, x3.device]
+        assert compiled_calls._directs["blocks", "nvfp4ffr", x3.shape, x3.stride(), x3.dtype, x3.device, args[0].shape,
+                                  args[1].shape, "nvfp4", False, None, None, rot.shape]  # fmt: skip
+        with torch.no_grad():  # as _call runs it: grad mode is one of dynamo's guards
+            out = entry.kernel(x3, *args)
     (gm_96, fn_96), (gm, fn) = entry.backend.graphs
     assert entry.backend.ran == 1
     of, body = compiled_calls._Direct.of, fused_kernels._k_blocks
