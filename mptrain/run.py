@@ -77,7 +77,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
                     if engine.dist.is_main:
                         engine.logger.console.print(slot.telemetry.table(summary["telemetry"][slot.objective.name]))
                     slot.telemetry.close()
-        distributed.shutdown()
+        distributed.shutdown(completed=status == "completed")
         # the rounding stream belongs to this run: an in-process caller's later stochastic_round
         # (without a generator) gets the global RNG again, as before the run
         rounding_rng.seed_rounding(None)
