@@ -104,15 +104,16 @@ def backend() -> str | None:
 def shutdown(completed: bool = False) -> None:
     """Leave the process group. ``completed``: every rank finished the run, so they can meet once more.
 
-    Why the barrier (gloo's only): gloo's worker threads free a finished collective's tensors while holding the
-    group's lock, and need the GIL to do it. DDP's reducer holds the group, and when the model is
-    collected it frees the group with the GIL held, waiting for that lock: on a loaded 2-core CPU a
-    rank that had completed its run never exited (its worker in ~AsyncAllgatherWork, waiting for the
-    GIL; its main thread in ~ProcessGroupGloo). The barrier's wait releases the GIL, so the workers
-    finish what they hold first. A failed or interrupted rank skips it: its peers may never come."""
+    Why the barrier (gloo's only): gloo's worker threads free a finished collective's tensors while
+    holding the group's lock, and need the GIL to do it. DDP's reducer holds the group, and when the
+    model is collected it frees the group with the GIL held, waiting for that lock: on a loaded
+    2-core CPU a rank that had completed its run never exited (its worker in ~AsyncAllgatherWork,
+    waiting for the GIL; its main thread in ~ProcessGroupGloo). The barrier's wait releases the GIL,
+    so the workers finish what they hold first. A failed or interrupted rank skips it: its peers may
+    never come."""
     global _ENV
     if dist.is_initialized():
-        if completed and dist.get_backend() == "gloo":
+        if completed and backend() == "gloo":
             dist.barrier()
         dist.destroy_process_group()
     _ENV = DistEnv()

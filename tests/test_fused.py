@@ -196,7 +196,7 @@ def test_blocks_rotated_inside_their_kernel(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.kernels("blocks")
 def test_exactly_one_rotated_block_along_the_dim_compiles_no_second_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """NVFP4's recipe rotates wgrad's operands along the dim it reduces, which at batch 2 held exactly one
-    block of 16 in a ResNet-50/8 step. A CPU rotates such (A, 16, 1) operands as (A * 16 / 16, 1, 16, 1)
+    block of 16 in a ResNet-50/8 step. A CPU rotates an (A, N, 1) operand as (A * N / 16, 1, 16, 1)
     blocks: viewed from (A, N, 1), that view compared A * (N / 16) with A, and dynamo specialised N to
     16, so the next operand compiled the kernel again (fused_kernels._k_blocks; two kernels in that
     run). Then 32 and 48 along the dim, to nearest and stochastic, all against the reference."""
