@@ -780,6 +780,44 @@ def test_converted_layers_under_a_users_torch_compile() -> None:
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("precision", ["mxfp8", "fp8 hybrid", "fp8 rowwise"])
+def test_the_layers_autograd_functions_traced_by_dynamo_give_eagers_gradients(
+        precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The converted layers' forwards with ``torch.compiler.disable`` taken off, traced by dynamo:
+    eager's gradients bit for bit. On torch 2.11 an autograd.Function whose forward returned the
+    result of a ``.to``, ``.float()`` or ``.contiguous()`` that had nothing to do (its input itself:
+    the reference quantizers, which the suite runs, end with one) got zero gradients for every
+    input, silently; ``qgemm.traced_output`` returns a copy there. Covers a Linear without bias,
+    a one-image 1x1 convolution (a CPU's ``_pointwise`` GEMM), an in-place ReLU after a layer and
+    FP8's operand rounding."""
+    from mptrain.numerics import fp8
+    from mptrain.numerics.convert import MxConv2d, MxLinear
+
+    for cls in (MxLinear, MxConv2d, fp8.Fp8Linear, fp8.Fp8Conv2d):
+        monkeypatch.setattr(cls, "forward", cls.forward.__wrapped__)  # type: ignore[attr-defined]
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(32, 32, 1), nn.Flatten(),
+                        nn.Linear(32 * 16, 32, bias=False), nn.ReLU(), nn.Linear(32, 10))  # fmt: skip
+    if precision == "mxfp8":
+        model, _ = convert_model(net, {"format": "mxfp8"})
+    else:
+        scaling = precision.split()[1].replace("hybrid", "loss")
+        model, _ = fp8.convert_model(net, {"format": "hybrid", "scaling": scaling, "stochastic_rounding": False})
+    x = torch.randn(1, 32, 4, 4)
+
+    def grads(m: nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    want = grads(model)
+    assert all(w.abs().sum() > 0 for w in want)
+    torch._dynamo.reset()
+    got = grads(torch.compile(model, backend="eager"))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 @pytest.mark.parametrize(("shape", "k", "stride", "padding", "dilation", "channels_last", "way"), [
     ((2, 5, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), False, "windows"),
     ((2, 5, 8, 8), (1, 1), (2, 2), (0, 0), (1, 1), False, "windows"),  # an unpadded 1x1 with a stride

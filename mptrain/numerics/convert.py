@@ -80,8 +80,10 @@ class _MxMixin:
 
     Their forwards are ``torch.compiler.disable``d: under a user's torch.compile a converted layer is
     a graph break and runs as it does eagerly (its quantizers are compiled kernels of their own).
-    Traced by dynamo instead, the layers' autograd functions gave zero gradients on torch 2.11 (2.15
-    was right), silently."""
+    Traced by dynamo, a layer that rounds gradients stochastically breaks the graph anyway (its
+    rounding stream is state outside the autograd function, which dynamo will not change from
+    inside one), and the others gained nothing on a CPU in a scratch timing. (Traced, the autograd
+    functions also gave zero gradients on torch 2.11, silently, until ``qgemm.traced_output``.)"""
 
     mx_recipe: GemmRecipe
     mx_format: str

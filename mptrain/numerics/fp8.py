@@ -63,7 +63,15 @@ from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
 from mptrain.numerics import fused
 from mptrain.numerics.convert import LayerDecision, gemm_kind, prefixed, tag
-from mptrain.numerics.qgemm import AxiswiseQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams, no_autocast
+from mptrain.numerics.qgemm import (
+    AxiswiseQuantizer,
+    GemmRecipe,
+    QuantConv2dFn,
+    QuantLinearFn,
+    RngStreams,
+    no_autocast,
+    traced_output,
+)
 from mptrain.numerics.rounding_rng import RoundingStream, rounding_generator
 
 log = logging.getLogger(__name__)
@@ -266,7 +274,7 @@ class _QuantizeOperand(torch.autograd.Function):
                 kept: Tensor | None = None) -> Tensor:
         ctx.x_dtype, ctx.spec, ctx.is_weight = x.dtype, spec, is_weight
         # An alias, not the kept tensor itself: autograd records this output's history on it.
-        return kept.detach() if kept is not None else spec.round_operand(x).to(spec.compute_dtype)
+        return traced_output(kept.detach() if kept is not None else spec.round_operand(x).to(spec.compute_dtype))
 
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]

@@ -213,6 +213,16 @@ def no_autocast(x: Tensor) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(x.device.type, enabled=False)
 
 
+def traced_output(y: Tensor) -> Tensor:
+    """A custom autograd function's forward output: a clone where dynamo traces the function, ``y``
+    itself in eager code. Why: on torch 2.11, an autograd.Function traced by dynamo whose forward
+    returned the result of a call that returned its own input (``.float()`` or ``.to`` of a tensor
+    already in that dtype, ``.contiguous()`` of a dense one; the reference quantizers end with
+    one) got zero gradients for every input, silently (torch 2.14.1 is right). A view instead would
+    forbid the in-place op a next layer may do (ReLU(inplace=True))."""
+    return y.clone() if torch.compiler.is_compiling() else y
+
+
 def _scale_(y: Tensor, a: Tensor | None, b: Tensor | None) -> Tensor:
     """A GEMM's output times its operands' tensor scales (NVFP4's, FP8's per-tensor ones), in place:
     ``y`` is always the GEMM's own fresh FP32 output, and a new tensor was one more allocation and
@@ -378,7 +388,7 @@ class QuantLinearFn(torch.autograd.Function):
         ctx.recipe, ctx.w_dtype, ctx.w_scale = recipe, weight.dtype, ws
         # 2D tiles: the forward's quantized weight is also dgrad's (W^T has the same tiles).
         ctx.save_for_backward(x, w2d if recipe.weight_2d else weight)
-        return y
+        return traced_output(y)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
@@ -406,7 +416,7 @@ class QuantConv2dFn(torch.autograd.Function):
             y, w2d, ws = _conv_fwd(x, weight, bias, recipe, *conv)
         ctx.recipe, ctx.conv, ctx.w_dtype, ctx.w_scale = recipe, conv, weight.dtype, ws
         ctx.save_for_backward(x, w2d if recipe.weight_2d else weight)
-        return y
+        return traced_output(y)
 
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
