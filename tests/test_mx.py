@@ -767,17 +767,18 @@ def test_converted_layers_under_a_users_torch_compile() -> None:
                         nn.Linear(32 * 64, 10))  # fmt: skip
     model, _ = convert_model(net, {"format": "mxfp8"})
     x = torch.randn(4, 16, 8, 8)
-
-    def grads(m: nn.Module) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        m(x).square().mean().backward()
-        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-
-    want = grads(model)
+    want = _grads(model, model, x)
     torch._dynamo.reset()
-    got = grads(torch.compile(model, backend="eager"))
+    got = _grads(model, torch.compile(model, backend="eager"), x)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def _grads(model: nn.Module, run: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    """``model``'s parameter gradients after one backward of ``run(x)`` (model itself or compiled)."""
+    model.zero_grad(set_to_none=True)
+    run(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8 hybrid", "fp8 rowwise"])
@@ -804,16 +805,10 @@ def test_the_layers_autograd_functions_traced_by_dynamo_give_eagers_gradients(
         scaling = precision.split()[1].replace("hybrid", "loss")
         model, _ = fp8.convert_model(net, {"format": "hybrid", "scaling": scaling, "stochastic_rounding": False})
     x = torch.randn(1, 32, 4, 4)
-
-    def grads(m: nn.Module) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        m(x).square().mean().backward()
-        return [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-
-    want = grads(model)
+    want = _grads(model, model, x)
     assert all(w.abs().sum() > 0 for w in want)
     torch._dynamo.reset()
-    got = grads(torch.compile(model, backend="eager"))
+    got = _grads(model, torch.compile(model, backend="eager"), x)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 
