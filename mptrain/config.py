@@ -645,12 +645,21 @@ def _check_compile(cfg: DictConfig) -> None:
     """``trainer.compile=true`` only where the whole model compiles into graphs; elsewhere dynamo
     would split it at every scaling or quantizing site and run slower than eager, silently."""
     p, ls = cfg.precision, cfg.loss_scale
-    if p.name == "mx" or (p.name == "fp8" and p.backend == "emulated"):
-        what = f"precision={p.name}" + (" precision.backend=emulated" if p.name == "fp8" else "")
+    if p.name == "fp8" and p.backend == "emulated":
         raise MptrainError(
-            f"trainer.compile=true with {what}: whole-model compile graph-breaks at every quantized layer's "
-            "autograd function and generator; the quantizers are compiled on their own (leave trainer.compile=false)"
+            "trainer.compile=true with precision=fp8 precision.backend=emulated: whole-model compile graph-breaks at "
+            "every quantized layer's autograd function and generator; the quantizers are compiled on their own "
+            "(leave trainer.compile=false)"
         )
+    if p.name == "mx":
+        # Imported here: config is imported by everything, the numerics only where they run.
+        from mptrain.numerics.convert import MxOptions
+
+        opts = MxOptions.parse(p)
+        check(not opts.stochastic_rounding,
+              f"trainer.compile=true with precision=mx precision.format={opts.format.name}: its gradients round "
+              "stochastically (precision.stochastic_rounding, nvfp4's default), and the rounding stream breaks the "
+              "graph at every quantized layer; set precision.stochastic_rounding=false, or leave trainer.compile=false")
     if ls.name == "adaptive":
         raise MptrainError(
             "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks on "

@@ -205,14 +205,15 @@ class Engine:
 
     def _build_slot(self, objective: Objective) -> Slot:
         cfg = self.cfg
-        module = self.precision.prepare_model(self.task.modules[objective.module], sharded=self.sharding is not None)
+        module = self.precision.prepare_model(self.task.modules[objective.module], sharded=self.sharding is not None,
+                                              compiled=cfg.trainer.compile)
         scaler = build_scaler(cfg.loss_scale, self.policy, self.device)
         module = scaler.attach(module)
         if cfg.trainer.compile:
             compiled_calls.remember_isa_checks()
             if self.device.type == "cpu":
                 compiled_calls.pin_cpu_vector_isa()
-            module.compile(mode=None if cfg.trainer.compile_mode == "default" else cfg.trainer.compile_mode)
+            module.compile(**compiled_calls.model_compile_args(cfg.trainer.compile_mode, self.precision.emulated))
         if self.sharding is not None:
             # Each rank checks only its shards for Inf/NaN: the flag is all-reduced (max) so that all skip.
             module = self.sharding.shard(objective.module, module)

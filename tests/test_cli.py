@@ -33,7 +33,11 @@ BAD = [
     (["precision=fp8", "trainer.compile=true"],
      "trainer.compile=true with precision=fp8 precision.backend=emulated: whole-model compile graph-breaks at every "
      "quantized layer's autograd function and generator; the quantizers are compiled on their own"),
-    (["precision=mx", "trainer.compile=true"], "trainer.compile=true with precision=mx: whole-model compile"),
+    (["precision=mx", "precision.format=nvfp4", "trainer.compile=true"],
+     "trainer.compile=true with precision=mx precision.format=nvfp4: its gradients round stochastically "
+     "(precision.stochastic_rounding, nvfp4's default), and the rounding stream breaks the graph"),
+    (["precision=mx", "precision.stochastic_rounding=true", "trainer.compile=true"],
+     "trainer.compile=true with precision=mx precision.format=mxfp8: its gradients round stochastically"),
     (["precision=mx", "precision.autocast=fp16"], "precision.autocast='fp16': must be null or bf16"),
     (["precision=amp_fp16", "loss_scale=adaptive", "trainer.compile=true"],
      "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks"),
@@ -43,6 +47,8 @@ BAD = [
 @pytest.mark.parametrize("overrides", [
     ["precision=fp8", "precision.backend=torchao", "trainer.compile=true"],  # real float8 GEMMs: compile is the point
     ["precision=amp_fp16", "loss_scale=dynamic", "trainer.compile=true"],
+    ["precision=mx", "trainer.compile=true"],  # emulated layers traced into the graph (tests/test_mx.py)
+    ["precision=mx", "precision.format=nvfp4", "precision.stochastic_rounding=false", "trainer.compile=true"],
 ])
 def test_compile_stays_allowed_where_the_model_compiles_whole(overrides):
     validate(compose(overrides))

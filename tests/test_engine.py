@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -360,6 +361,37 @@ def test_peak_memory_is_trainings_and_evaluation_is_apart(tmp_path, monkeypatch)
     engine.fit()
     s = engine.summary("completed", 0.0)
     assert s["peak_memory_bytes"] == 100 and s["eval_peak_memory_bytes"] == 1000
+
+
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+def test_trainer_compile_traces_emulated_mx_layers_into_the_models_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compile_mode: str
+) -> None:
+    """trainer.compile with precision=mx: the converted layers are traced into the model's graph
+    (``in_graph``; tests/test_mx.py holds that graph to eager's gradients), and the model compiles with
+    the quantizers' exact rounding options beside its mode's. Without compile they stay graph breaks."""
+    from torch import nn
+
+    from mptrain.cli import compose
+    from mptrain.config import validate
+    from mptrain.engine import Engine
+    from mptrain.numerics import compiled_calls
+    from mptrain.numerics.convert import MxConv2d, MxLinear
+
+    handed: list[dict[str, Any]] = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: handed.append(kw))
+    for compiled in (False, True):
+        cfg = compose([*tiny("resnet50", "precision=mx", f"trainer.compile={compiled}",
+                             f"trainer.compile_mode={compile_mode}"), "trainer.device=cpu"])
+        validate(cfg)
+        engine = Engine(cfg, tmp_path / str(compiled))
+        layers = [m for net in engine.task.modules.values() for m in net.modules()
+                  if isinstance(m, MxConv2d | MxLinear)]
+        assert layers and all(m.in_graph == compiled for m in layers)
+    (options,) = [kw["options"] for kw in handed]
+    assert options.items() >= compiled_calls._EAGER_NUMERICS.items()
+    assert set(options) <= set(torch._inductor.config.get_config_copy())  # what inductor takes
+    assert options.get("triton.cudagraphs", False) == (compile_mode == "reduce-overhead")
 
 
 def test_the_engine_pins_inductors_vector_isa_before_it_compiles_a_model_on_a_cpu(

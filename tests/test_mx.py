@@ -784,23 +784,22 @@ def _grads(model: nn.Module, run: Any, x: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("precision", ["mxfp8", "fp8 hybrid", "fp8 rowwise"])
 def test_the_layers_autograd_functions_traced_by_dynamo_give_eagers_gradients(
         precision: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The converted layers' forwards with ``torch.compiler.disable`` taken off, traced by dynamo:
-    eager's gradients bit for bit. On torch 2.11 an autograd.Function whose forward returned the
-    result of a ``.to``, ``.float()`` or ``.contiguous()`` that had nothing to do (its input itself:
-    the reference quantizers, which the suite runs, end with one) got zero gradients for every
-    input, silently; ``qgemm.traced_output`` returns a copy there. Covers a Linear without bias,
-    a one-image 1x1 convolution (a CPU's ``_pointwise`` GEMM), an in-place ReLU after a layer and
-    FP8's operand rounding."""
+    """The converted layers traced by dynamo (MX: ``in_graph``; FP8: ``torch.compiler.disable``
+    taken off its forwards): eager's gradients bit for bit. On torch 2.11 an autograd.Function
+    whose forward returned the result of a ``.to``, ``.float()`` or ``.contiguous()`` that had
+    nothing to do (its input itself: the reference quantizers, which the suite runs, end with one)
+    got zero gradients for every input, silently; ``qgemm.traced_output`` returns a copy there.
+    Covers a Linear without bias, a one-image 1x1 convolution (a CPU's ``_pointwise`` GEMM), an
+    in-place ReLU after a layer and FP8's operand rounding."""
     from mptrain.numerics import fp8
-    from mptrain.numerics.convert import MxConv2d, MxLinear
 
-    for cls in (MxLinear, MxConv2d, fp8.Fp8Linear, fp8.Fp8Conv2d):
+    for cls in (fp8.Fp8Linear, fp8.Fp8Conv2d):
         monkeypatch.setattr(cls, "forward", cls.forward.__wrapped__)  # type: ignore[attr-defined]
     torch.manual_seed(5)
     net = nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(32, 32, 1), nn.Flatten(),
                         nn.Linear(32 * 16, 32, bias=False), nn.ReLU(), nn.Linear(32, 10))  # fmt: skip
     if precision == "mxfp8":
-        model, _ = convert_model(net, {"format": "mxfp8"})
+        model, _ = convert_model(net, {"format": "mxfp8"}, in_graph=True)
     else:
         scaling = precision.split()[1].replace("hybrid", "loss")
         model, _ = fp8.convert_model(net, {"format": "hybrid", "scaling": scaling, "stochastic_rounding": False})
@@ -809,6 +808,35 @@ def test_the_layers_autograd_functions_traced_by_dynamo_give_eagers_gradients(
     assert all(w.abs().sum() > 0 for w in want)
     torch._dynamo.reset()
     got = _grads(model, torch.compile(model, backend="eager"), x)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("options", [
+    {"format": "mxfp8"},
+    {"format": "nvfp4", "stochastic_rounding": False, "keep_last": 0},  # Hadamard on wgrad, 16x16 weight tiles
+])
+def test_layers_in_the_graph_compile_whole_with_eagers_gradients(options: dict[str, Any]) -> None:
+    """``in_graph`` (trainer.compile): dynamo traces the converted layers into the model's graph, one
+    graph with no break (without it, they break it), and AOTAutograd's graphs of the whole
+    model, run on eager kernels (``aot_eager``), give eager's loss and gradients bit for bit."""
+    torch.manual_seed(6)
+
+    def net() -> nn.Module:
+        torch.manual_seed(6)
+        return nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16, 64),
+                             nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 32, bias=False))  # fmt: skip
+
+    x = torch.randn(2, 16, 4, 4)
+    for in_graph in (False, True):
+        model, _ = convert_model(net(), options, in_graph=in_graph)
+        torch._dynamo.reset()
+        seen = torch._dynamo.explain(model)(x)
+        assert ((seen.graph_count, seen.graph_break_count) == (1, 0)) == in_graph
+    eager, _ = convert_model(net(), options)
+    want = _grads(eager, eager, x)
+    torch._dynamo.reset()
+    got = _grads(model, torch.compile(model, backend="aot_eager"), x)
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
 

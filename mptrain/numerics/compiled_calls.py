@@ -192,6 +192,19 @@ def pin_cpu_vector_isa(patches: dict[str, Any] | None = None) -> None:
         patches.setdefault("cpp.simdlen", bits)
 
 
+def model_compile_args(mode: str, emulated: bool) -> dict[str, Any]:
+    """``nn.Module.compile``'s arguments for ``trainer.compile`` with ``trainer.compile_mode``. An
+    emulated model (its quantizers traced into its graph) gets the quantizers' own options too: eager's
+    rounding in Triton code (``_EAGER_NUMERICS``) and their cache keys (``_CACHEABLE``), with the
+    mode's options spelled out, as torch.compile takes a mode or options but not both; and its CPU
+    kernels get the vector patches above."""
+    if not emulated:
+        return {"mode": None if mode == "default" else mode}
+    vector_bitcasts()
+    vector_iota()
+    return {"options": {**torch._inductor.list_mode_options(mode), **_EAGER_NUMERICS, **_CACHEABLE}}
+
+
 class _Unfused(Exception):
     """This call cannot run compiled (a torch.Generator, a kernel past dynamo's recompile limit)."""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -74,19 +74,34 @@ def prefixed(network: str, decisions: list[LayerDecision]) -> list[LayerDecision
     return [LayerDecision(f"{network}.{d.name}" if d.name else network, d.kind, d.format, d.reason) for d in decisions]
 
 
+@torch.compiler.disable  # a graph break under a user's torch.compile (see _MxMixin)
+def _own_kernels(gemms: Callable[[Tensor], Tensor], input: Tensor) -> Tensor:
+    return gemms(input)
+
+
 class _MxMixin:
     """Shared by the converted layers; ``mx_recipe`` is set by ``convert_model`` (a plain attribute:
     parameter names and state_dict keys stay the original layer's).
 
-    Their forwards are ``torch.compiler.disable``d: under a user's torch.compile a converted layer is
-    a graph break and runs as it does eagerly (its quantizers are compiled kernels of their own).
-    Traced by dynamo, a layer that rounds gradients stochastically breaks the graph anyway (its
-    rounding stream is state outside the autograd function, which dynamo will not change from
-    inside one), and the others gained nothing on a CPU in a scratch timing. (Traced, the autograd
-    functions also gave zero gradients on torch 2.11, silently, until ``qgemm.traced_output``.)"""
+    Under a user's torch.compile a converted layer is a graph break by default (``_own_kernels``):
+    it runs as it does eagerly, its quantizers compiled kernels of their own. ``in_graph`` (set by
+    ``convert_model`` for ``trainer.compile``) traces its autograd function into the model's graph
+    instead, which then holds the whole step: one graph (transformer_lm_tiny's MXFP8 step on a CPU
+    took 0.73x as long with bf16 products, docs/benchmarks), and CUDA graphs with
+    compile_mode=reduce-overhead, for a GPU step that its host would pace otherwise. Only without
+    stochastic rounding: its rounding stream is state outside the autograd function, which dynamo
+    will not change from inside one, so such a layer would break the graph anyway (config refuses
+    it). (Traced, the autograd functions gave zero gradients on torch 2.11, silently, until
+    ``qgemm.traced_output``.)"""
 
     mx_recipe: GemmRecipe
     mx_format: str
+    in_graph: bool = False
+    _gemms: Callable[[Tensor], Tensor]  # the layer's autograd function on its input
+
+    def forward(self, input: Tensor) -> Tensor:
+        # dynamo guards on in_graph: a compiled model traces the GEMMs or breaks its graph here
+        return self._gemms(input) if self.in_graph else _own_kernels(self._gemms, input)
 
     def extra_repr(self) -> str:
         r = self.mx_recipe
@@ -100,16 +115,14 @@ class _MxMixin:
 class MxLinear(_MxMixin, nn.Linear):
     """nn.Linear whose three GEMMs run on block-quantized operands (mptrain.numerics.qgemm)."""
 
-    @torch.compiler.disable  # see _MxMixin
-    def forward(self, input: Tensor) -> Tensor:
+    def _gemms(self, input: Tensor) -> Tensor:
         return QuantLinearFn.apply(input, self.weight, self.bias, self.mx_recipe)
 
 
 class MxConv2d(_MxMixin, nn.Conv2d):
     """nn.Conv2d (groups=1, zero padding) whose three GEMMs run on block-quantized operands."""
 
-    @torch.compiler.disable  # see _MxMixin
-    def forward(self, input: Tensor) -> Tensor:
+    def _gemms(self, input: Tensor) -> Tensor:
         return QuantConv2dFn.apply(
             input, self.weight, self.bias, self.mx_recipe, self.stride, self.padding, self.dilation
         )
@@ -259,12 +272,14 @@ def _decide(
 
 
 def convert_model(
-    model: nn.Module, options: Mapping[str, Any], state: MxState | None = None
+    model: nn.Module, options: Mapping[str, Any], state: MxState | None = None, in_graph: bool = False
 ) -> tuple[nn.Module, MxState]:
     """Swap the model's nn.Linear / nn.Conv2d layers (exact types) for MX-emulating subclasses in
     place, per ``options`` (``precision.*``); returns the model and the state with every decision.
 
     Pass the state of the task's previous networks as ``state``: the new network is added to it.
+    ``in_graph``: the model will be compiled whole, and its converted layers traced into its graph
+    (``_MxMixin``).
     """
     opts = MxOptions.parse(options)
     if state is None:
@@ -297,6 +312,7 @@ def convert_model(
         if fmt != "high":
             module.__class__ = MX_LAYERS[type(module)]
             module.mx_recipe, module.mx_format = recipe, fmt  # type: ignore[assignment]
+            module.in_graph = in_graph  # type: ignore[assignment]
         decisions.append(LayerDecision(name, kind, fmt, reason))
     if not any(d.format != "high" for d in decisions):
         log.warning(

@@ -150,11 +150,12 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def prepare_model(self, model: nn.Module, sharded: bool = False) -> nn.Module:
+    def prepare_model(self, model: nn.Module, sharded: bool = False, compiled: bool = False) -> nn.Module:
         """Cast storage and convert layers for this mode. Call before building the optimizer.
 
         ``sharded`` (parallel=fsdp2): weights stay FP32, as FSDP2's shards are the master copy and its
-        MixedPrecisionPolicy gathers them in ``param_dtype`` (mptrain.parallel.shard_policy)."""
+        MixedPrecisionPolicy gathers them in ``param_dtype`` (mptrain.parallel.shard_policy).
+        ``compiled`` (trainer.compile): emulated MX layers are traced into the model's graph."""
         if self.param_dtype != torch.float32 and not sharded:
             model.to(self.param_dtype)
             if self.resolved == "fp16_master":
@@ -172,7 +173,7 @@ class Precision:
         if self.mx is not None:
             from mptrain.numerics.convert import convert_model as convert_mx
 
-            model, self.mx_state = convert_mx(model, self.options, self.mx_state)
+            model, self.mx_state = convert_mx(model, self.options, self.mx_state, in_graph=compiled)
         return model
 
     def master_weights(self, groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MasterWeights | None]:

@@ -190,6 +190,8 @@ class GemmRecipe:
         return {"keys": stream.keys, "counter": stream.counter}
 
     def rotation(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        if torch.compiler.is_compiling():  # traced into a model's graph: built in it, as dynamo would
+            return hadamard_rotation.__wrapped__(self._signs, device, dtype)  # type: ignore[arg-type]
         return hadamard_rotation(self._signs, device, dtype)  # type: ignore[arg-type]
 
     def rotation_for(self, dy: Tensor) -> Tensor | None:
