@@ -7,8 +7,8 @@
 #   run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=530)
 #
 # tests: the carried wheels import, README's main job, then the CUDA tests beside the CPU suite (8 workers).
-# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16), then with their graphs'
-#        combo kernels and static shapes; ResNet-50 (the precisions against fp32, tf32 and the bare loop).
+# bench: the emulated formats (transformer_lm, mxfp8 and nvfp4 against amp_bf16), then compiled whole with
+#        CUDA graphs and with their graphs' combo kernels and static shapes; ResNet-50 (the precisions against fp32, tf32 and the bare loop).
 #        FP8 through torchao (transformer_lm_large, bf16 against tensorwise and rowwise, compiled) was
 #        measured on 2026-11-26 and 27 and cut by the limit on 11-28; the device tool brings back 8
 #        files, so its stage gave its two to the combo cells. By hand, after `source scripts/gpu_env.sh`:
@@ -198,8 +198,8 @@ fi
 run_bench() {
   # Issue 24's open target first, then ResNet-50 (not measured on an H100 yet): a limit cuts what
   # earlier runs measured, not what is open.
-  # 3. The emulated formats against amp_bf16 on the transformer LM, eager (whole-model compile is
-  #    refused for them; each Linear's GEMMs run as one compiled graph per direction on CUDA): "vs
+  # 3. The emulated formats against amp_bf16 on the transformer LM, eager (each Linear's GEMMs run as
+  #    one compiled graph per direction on CUDA; whole-model compile is stage 4's): "vs
   #    bf16" is their cost, with their products in bf16 (precision.emulated_compute=bf16), the rest of
   #    the model in FP32 (*_bf16) or in a bf16 autocast as amp_bf16's (*_bf16_amp,
   #    precision.autocast=bf16). FP32 products (the default) were measured in six runs to 2026-11-28,
@@ -223,8 +223,11 @@ run_bench() {
   #    - static shapes (precision.graph_static_shapes): a graph per layer shape (about ten a cell to
   #      compile, hence the longer cap), whose kernels divide no element index by an int64 size.
   #    tests/test_fused_gemms.py holds the combo graphs to the reference on the same GPU.
+  #    First, the whole model compiled with CUDA graphs (trainer.compile=true, compile_mode=reduce-overhead;
+  #    MXFP8's layers traced into the model's graph, as trainer.compile does since 2026-12-04), beside
+  #    amp_bf16 compiled the same way: one replay a step, where the eager cells' host paced the step.
   stage bench_graphs 250 "${BENCH[@]}" --name "$NAME-transformer-graphs" "${FORMATS[@]}" \
-      --precisions amp_bf16,mxfp8_bf16,mxfp8_bf16_static,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_static,nvfp4_bf16_combo
+      --precisions amp_bf16,mxfp8_bf16,amp_bf16_cudagraphs,mxfp8_bf16_cudagraphs,mxfp8_bf16_static,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_static,nvfp4_bf16_combo
   keep "$NAME-transformer-graphs.json" "$NAME-transformer-graphs.md"
 
   # 5. ResNet-50 at 224 px, batch 256, channels_last: the precisions against fp32, tf32 and the bare

@@ -775,3 +775,27 @@ def b2_rotated_phrases() -> list[str]:
 
 def test_the_b2_rotated_runs_in_prose_are_their_data() -> None:
     assert_in_notes(b2_rotated_phrases())
+
+
+WHOLE_COMPILE = ("cpu-2026-12-04-amx-whole-compile", "cpu-2026-12-04-amx-whole-compile-repeat")
+
+
+def whole_compile_phrases() -> list[str]:
+    """transformer_lm_tiny eager and compiled whole (trainer.compile), MXFP8's layers traced into the graph."""
+    runs = [{c["precision"]: c["step_time_s"] * 1e3 for c in benchmark(n)["cells"]} for n in WHOLE_COMPILE]
+    rows = []
+    for base in ("fp32", "amp_bf16", "mxfp8", "mxfp8_bf16"):
+        cells = [f"{r[base]:.1f} → {r[base + '_compiled']:.1f} | {r[base + '_compiled'] / r[base]:.2f}" for r in runs]
+        rows.append(f"| {base} | {' | '.join(cells)} |")
+    def both(num: str, den: str) -> str:
+        return " and ".join(f"{r[num] / r[den]:.2f}×" for r in runs)
+
+    return [*rows, f"MXFP8's step took {both('mxfp8_compiled', 'mxfp8')} as long as eager with FP32 products, "
+            f"and {both('mxfp8_bf16_compiled', 'mxfp8_bf16')} with bf16 products; FP32's took "
+            f"{both('fp32_compiled', 'fp32')}",
+            f"took {both('mxfp8_bf16_compiled', 'amp_bf16')} as long as amp_bf16's eager step, against "
+            f"{both('mxfp8_bf16', 'amp_bf16')} eager"]
+
+
+def test_the_whole_compile_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(whole_compile_phrases())
