@@ -981,3 +981,27 @@ def test_runs_through_the_engine_match_the_reference_and_report_compile_time(
     for net in a:
         for key in a[net]:
             assert_same(a[net][key].float(), b[net][key].float())
+
+
+def test_a_conv_compiled_whole_builds_its_format_constants_in_the_graph() -> None:
+    """trainer.compile traces the fused quantizers into the model's graph (``convert._MxMixin.in_graph``).
+    There the format constants (``fused_kernels._elem``) are built in the graph, not read from the
+    cache that eager calls fill: read as graph inputs, they made inductor (torch 2.11, a CPU) fail to
+    generate this convolution's backward ("unexpected group"), which stopped ResNet-50's first step.
+    Compiled, the layer gives eager's output and gradients to FP32's rounding (inductor's
+    convolution adds its products in another order than eager's)."""
+    from mptrain.numerics.convert import convert_model
+
+    torch.manual_seed(0)
+    model, _ = convert_model(nn.Conv2d(64, 64, 2, bias=False), {"format": "mxfp8"}, in_graph=True)
+    x = torch.randn(4, 64, 2, 2, requires_grad=True)
+    want = model(x)  # eager: fills the constants' cache
+    want.sum().backward()
+    wants = [t.grad for t in (x, model.weight)]
+    x.grad = model.weight.grad = None
+    torch._dynamo.reset()
+    got = torch.compile(model, **compiled_calls.model_compile_args("default", True))(x)
+    got.sum().backward()
+    torch.testing.assert_close(got, want)
+    for t, w in zip((x, model.weight), wants, strict=True):
+        torch.testing.assert_close(t.grad, w)

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from mptrain.numerics import fused_kernels
 from mptrain.numerics.fused_kernels import _BODIES, _params
 
 log = logging.getLogger(__name__)
@@ -752,6 +753,7 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
                 if s != 1:
                     torch._dynamo.maybe_mark_dynamic(a, d)
     try:
+        fused_kernels.layer_graph = True
         return _through_dynamo(k, backend, _graph_directs, key if _direct_calls else None, body, variant, args[0],
                                args[1:])
     except Exception as exc:  # past the recompile limit, or a graph dynamo or inductor cannot build
@@ -761,3 +763,5 @@ def call_graph(body: Callable[..., Any], *args: Any) -> Any:
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         log.warning("fused GEMM graph %s: %s; its calls run eagerly from here on", variant, reason)
         return body(*args)
+    finally:
+        fused_kernels.layer_graph = False

@@ -24,19 +24,28 @@ from mptrain.numerics.formats import ElementFormat
 from mptrain.numerics.rounding_rng import bits16_from_index, draw_keys, uniform_from_index
 
 _params: dict[tuple[str, str], tuple[Tensor, Tensor]] = {}
+# True while compiled_calls.call_graph traces a layer's graph, which reads the cached constants (its
+# direct calls feed them in as inputs: compiled_calls._constant)
+layer_graph = False
 
 
 def _elem(fmt: ElementFormat, device: torch.device) -> tuple[Tensor, Tensor]:
     """A format's constants as kernel arguments, made once per device (no copy per call):
-    float32 [max, overflow threshold, overflow value, max's code is even] and int32 ``_ints(fmt)``."""
+    float32 [max, overflow threshold, overflow value, max's code is even] and int32 ``_ints(fmt)``.
+    Traced into a whole model's graph (trainer.compile), they are built in it, constants to the
+    compiler, and not cached: read from the cache as graph inputs, they made inductor (torch 2.11, a
+    CPU) fail to generate a convolution's backward (tests/test_fused.py)."""
     key = (fmt.name, str(device))
-    found = _params.get(key)
+    in_model = torch.compiler.is_compiling() and not layer_graph
+    found = None if in_model else _params.get(key)
     if found is None:
         threshold = fmt.max_normal + 2.0 ** (fmt.emax - fmt.mbits - 1)
         pf = torch.tensor([fmt.max_normal, threshold, math.inf if fmt.has_inf else math.nan,
                            float(nf.max_code_is_even(fmt))], dtype=torch.float32, device=device)  # fmt: skip
         pi = torch.tensor(_ints(fmt), dtype=torch.int32, device=device)
-        found = _params[key] = (pf, pi)
+        found = (pf, pi)
+        if not in_model:
+            _params[key] = found
     return found
 
 
