@@ -1005,3 +1005,14 @@ def test_a_conv_compiled_whole_builds_its_format_constants_in_the_graph() -> Non
     torch.testing.assert_close(got, want)
     for t, w in zip((x, model.weight), wants, strict=True):
         torch.testing.assert_close(t.grad, w)
+
+
+def test_compile_seconds_count_a_compiled_models_backward() -> None:
+    """``fused.compile_seconds`` (summary.json's compile_time_s, kept out of throughput) counts the
+    backward graph that a compiled model compiles at its first backward, not only its frame's compile."""
+    torch._dynamo.reset()  # no compiled code from another test to reuse
+    model = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), backend="aot_eager")
+    y = model(torch.randn(4, 8))
+    before = fused.compile_seconds()
+    y.sum().backward()
+    assert fused.compile_seconds() > before

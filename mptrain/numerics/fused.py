@@ -127,11 +127,14 @@ def _probe(device: torch.device) -> bool:
 
 def compile_seconds() -> float:
     """Seconds torch.compile has spent in this process (every frame: these kernels and
-    ``trainer.compile``), for keeping compile time out of throughput. 0 where torch does not say."""
+    ``trainer.compile``), for keeping compile time out of throughput. 0 where torch does not say.
+    A compiled model's backward graph compiles at its first backward, apart from its frame's
+    compile: torch counts it on its own."""
     try:
         from torch._dynamo.utils import cumulative_time_spent_ns
 
-        return float(cumulative_time_spent_ns.get("entire_frame_compile", 0.0)) / 1e9
+        spent = sum(cumulative_time_spent_ns.get(k, 0.0) for k in ("entire_frame_compile", "entire_backward_compile"))
+        return float(spent) / 1e9
     except (ImportError, AttributeError):
         return 0.0
 
