@@ -32,7 +32,7 @@ from torch import Tensor
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
-from mptrain.numerics import compiled_calls
+from mptrain.numerics import compiled_calls, fused
 from mptrain.numerics.plan import flop_counter
 
 # Dense (no sparsity) datasheet peaks in TFLOP/s by compute dtype. fp32 is the CUDA-core rate
@@ -305,6 +305,7 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
         torch._dynamo.reset()
     _release(device_hint)
     base = _allocated(device_hint)
+    compiled_before = fused.compile_seconds()
     with tempfile.TemporaryDirectory(prefix="mptrain-bench-") as tmp:
         engine = Engine(cfg, Path(tmp))
         engine.logger.close()  # no TensorBoard writer or live progress bar in the process
@@ -343,6 +344,9 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
         e_stream = _micro_stream(pool)
         e_losses = warm(eng, e_stream, opts.warmup, opts.seed)
         _sync(device)
+        # torch.compile's time in the engine's build and warm-up (trainer.compile, the fused quantizers),
+        # which no timed window holds
+        rec["compile_s"] = round(fused.compile_seconds() - compiled_before, 2)
         e_resident = _allocated(device) - base - _nbytes(pool) if device.type == "cuda" else None
 
         bare: Runner | None = None

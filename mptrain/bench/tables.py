@@ -40,7 +40,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
     main_header = ["model", "precision", "batch", "variant", "step ms", "per s", "bare step ms", "bare per s",
                    "engine/bare", "paired", "min", "spread", "vs fp32"] + (["vs tf32"] if cuda else []) + (
         ["vs bf16"] if bf16 else []) + [
-        "peak MiB", "bare MiB", "mem vs fp32", "MFU", "bare MFU", "GFLOP/step", "<16-bit FLOPs", "loss diff"]
+        "peak MiB", "bare MiB", "mem vs fp32", "MFU", "bare MFU", "GFLOP/step", "<16-bit FLOPs", "loss diff",
+        "compile s"]
     rows = []
     for r in recs:
         spread = max(v for v in (r["spread"], r["bare_spread"]) if v is not None) if r["spread"] is not None else None
@@ -56,7 +57,8 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                     + [_mib(r["peak_memory_bytes"]), _mib(r["bare_peak_memory_bytes"]), _x(r["memory_vs_fp32"]),
                        _pct(r["mfu"]), _pct(r["bare_mfu"]),
                        "-" if not r["flops_per_step"] else f"{r['flops_per_step'] / 1e9:,.1f}",
-                       _pct(r.get("low_precision_flop_fraction")), _diff(r["loss_max_rel_diff"])])
+                       _pct(r.get("low_precision_flop_fraction")), _diff(r["loss_max_rel_diff"]),
+                       "-" if r.get("compile_s") is None else f"{r['compile_s']:.1f}"])
     out = [("engine vs bare loop: median of timed windows; per s = samples/s (tokens/s for a language model)",
             main_header, rows)]
 

@@ -87,7 +87,7 @@ class _MxMixin:
     it runs as it does eagerly, its quantizers compiled kernels of their own. ``in_graph`` (set by
     ``convert_model`` for ``trainer.compile``) traces its autograd function into the model's graph
     instead, which then holds the whole step: one graph (transformer_lm_tiny's MXFP8 step with bf16
-    products took 0.79-0.86x as long on a CPU, docs/benchmarks), and CUDA graphs with
+    products took 0.8x as long on a CPU, docs/benchmarks), and CUDA graphs with
     compile_mode=reduce-overhead, for a GPU step that its host would pace otherwise. Only without
     stochastic rounding: its rounding stream is state outside the autograd function, which dynamo
     will not change from inside one, so such a layer would break the graph anyway (config refuses
