@@ -651,15 +651,6 @@ def _check_compile(cfg: DictConfig) -> None:
             "every quantized layer's autograd function and generator; the quantizers are compiled on their own "
             "(leave trainer.compile=false)"
         )
-    if p.name == "mx":
-        # Imported here: config is imported by everything, the numerics only where they run.
-        from mptrain.numerics.convert import MxOptions
-
-        opts = MxOptions.parse(p)
-        check(not opts.stochastic_rounding,
-              f"trainer.compile=true with precision=mx precision.format={opts.format.name}: its gradients round "
-              "stochastically (precision.stochastic_rounding, nvfp4's default), and the rounding stream breaks the "
-              "graph at every quantized layer; set precision.stochastic_rounding=false, or leave trainer.compile=false")
     if ls.name == "adaptive":
         raise MptrainError(
             "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks on "

@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
-from mptrain import __version__, checkpoint, distributed, sharded_checkpoint
+from mptrain import __version__, checkpoint, cudagraphs, distributed, sharded_checkpoint
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.memory import PeakMemory, host_memory
@@ -146,6 +146,7 @@ class Engine:
         self.host_memory = host_memory(t.keep_host_memory)
         log.info("host memory: %s", self.host_memory)
         self.compile_start = fused.compile_seconds()  # compile time is reported apart from throughput
+        self.cudagraph_mark = cudagraphs.watch()
         self.peak = PeakMemory(self.device)
         self.precision: Precision = build_precision(cfg.precision, self.device)
         self.precision.configure_backends()
@@ -402,6 +403,10 @@ class Engine:
                     break
         self.throughput_windows = windows
         self.memory = distributed.all_gather_object(self.state_bytes())
+        skips = cudagraphs.since(self.cudagraph_mark)
+        if skips and self.dist.is_main:
+            log.warning("CUDA graphs skipped %d time(s) (trainer.compile_mode=%s): its graphs ran as plain "
+                        "kernel launches; first: %s", len(skips), t.compile_mode, skips[0])
 
     def _warn_data_wait(self, n_windows: int) -> bool:
         """One line when a window (past the warm-up ones: worker start-up) was input-bound; rank 0's
@@ -656,6 +661,8 @@ class Engine:
             # torch.compile's time in this run (fused quantizers, trainer.compile), kept out of throughput
             "compile_time_s": round(fused.compile_seconds() - self.compile_start, 3),
             "quantizers": fused.status(self.device) if self.precision.emulated else None,
+            # the CUDA graphs compile_mode=reduce-overhead did not get (inductor's reasons)
+            "cudagraph_skips": cudagraphs.since(self.cudagraph_mark),
             "host_memory": self.host_memory,
             "resumed_from": str(self.resumed_from) if self.resumed_from else None,
             "telemetry": {s.objective.name: s.telemetry.report() for s in self.slots if s.telemetry} or None,

@@ -224,10 +224,13 @@ run_bench() {
   #      compile, hence the longer cap), whose kernels divide no element index by an int64 size.
   #    tests/test_fused_gemms.py holds the combo graphs to the reference on the same GPU.
   #    First, the whole model compiled with CUDA graphs (trainer.compile=true, compile_mode=reduce-overhead;
-  #    MXFP8's layers traced into the model's graph, as trainer.compile does since 2026-12-04), beside
-  #    amp_bf16 compiled the same way: one replay a step, where the eager cells' host paced the step.
+  #    the MXFP8 and NVFP4 layers traced into the model's graph, NVFP4's stochastic rounding included, as
+  #    trainer.compile does since 2026-12-04), beside amp_bf16 compiled the same way: one replay a step,
+  #    where the eager cells' host paced the step. A cell's cudagraph_skips (JSON) says if inductor ran
+  #    a graph without its CUDA graph. (The bench writes its files after every cell: a stage cut short
+  #    keeps the cells before it, hence the order.)
   stage bench_graphs 250 "${BENCH[@]}" --name "$NAME-transformer-graphs" "${FORMATS[@]}" \
-      --precisions amp_bf16,mxfp8_bf16,amp_bf16_cudagraphs,mxfp8_bf16_cudagraphs,mxfp8_bf16_static,mxfp8_bf16_combo,nvfp4_bf16,nvfp4_bf16_static,nvfp4_bf16_combo
+      --precisions amp_bf16,mxfp8_bf16,nvfp4_bf16,amp_bf16_cudagraphs,mxfp8_bf16_cudagraphs,nvfp4_bf16_cudagraphs,mxfp8_bf16_static,mxfp8_bf16_combo,nvfp4_bf16_static,nvfp4_bf16_combo
   keep "$NAME-transformer-graphs.json" "$NAME-transformer-graphs.md"
 
   # 5. ResNet-50 at 224 px, batch 256, channels_last: the precisions against fp32, tf32 and the bare

@@ -35,6 +35,7 @@ CELL_FIELDS = {
     "speedup_vs_fp32", "bare_speedup_vs_fp32", "speedup_vs_tf32", "speedup_vs_bf16", "memory_vs_fp32",
     "bare_memory_vs_fp32", "mfu", "bare_mfu", "last_loss", "bare_last_loss",
     "flops_per_step", "peak_tflops", "compute_dtype", "losses", "bare_losses", "loss_max_rel_diff", "compile_s",
+    "cudagraph_skips",
     "host_syncs_per_step", "optimizer", "loss_scale", "image_size", "overrides",
 }
 META_FIELDS = {"device", "device_name", "versions", "date", "command", "torch_threads", "method"}
@@ -79,6 +80,7 @@ def test_tiny_grid_json_has_every_field(tmp_path, monkeypatch):
         assert cell["peak_memory_bytes"] is None and cell["mfu"] is None
         assert cell["units_per_step"] == 4 and cell["unit"] == "samples"
         assert cell["compile_s"] == 0.0  # nothing compiled (trainer.compile off, no fused quantizers)
+        assert cell["cudagraph_skips"] == []
     assert cells["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
     assert cells["amp_bf16"]["speedup_vs_fp32"] == pytest.approx(
         cells["fp32"]["step_time_s"] / cells["amp_bf16"]["step_time_s"])

@@ -33,11 +33,6 @@ BAD = [
     (["precision=fp8", "trainer.compile=true"],
      "trainer.compile=true with precision=fp8 precision.backend=emulated: whole-model compile graph-breaks at every "
      "quantized layer's autograd function and generator; the quantizers are compiled on their own"),
-    (["precision=mx", "precision.format=nvfp4", "trainer.compile=true"],
-     "trainer.compile=true with precision=mx precision.format=nvfp4: its gradients round stochastically "
-     "(precision.stochastic_rounding, nvfp4's default), and the rounding stream breaks the graph"),
-    (["precision=mx", "precision.stochastic_rounding=true", "trainer.compile=true"],
-     "trainer.compile=true with precision=mx precision.format=mxfp8: its gradients round stochastically"),
     (["precision=mx", "precision.autocast=fp16"], "precision.autocast='fp16': must be null or bf16"),
     (["precision=amp_fp16", "loss_scale=adaptive", "trainer.compile=true"],
      "trainer.compile=true with loss_scale=adaptive: its per-layer scales are set by backward hooks"),
@@ -49,6 +44,8 @@ BAD = [
     ["precision=amp_fp16", "loss_scale=dynamic", "trainer.compile=true"],
     ["precision=mx", "trainer.compile=true"],  # emulated layers traced into the graph (tests/test_mx.py)
     ["precision=mx", "precision.format=nvfp4", "precision.stochastic_rounding=false", "trainer.compile=true"],
+    ["precision=mx", "precision.format=nvfp4", "trainer.compile=true"],  # its recipe's stochastic rounding too
+    ["precision=mx", "precision.stochastic_rounding=true", "trainer.compile=true"],
 ])
 def test_compile_stays_allowed_where_the_model_compiles_whole(overrides):
     validate(compose(overrides))

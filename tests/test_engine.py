@@ -21,7 +21,7 @@ from mptrain.models import list_models
 SUMMARY_KEYS = {
     "status", "model", "data", "precision", "precision_resolved", "loss_scale", "device", "world_size",
     "steps", "final_loss", "metrics", "throughput", "peak_memory_bytes", "skipped_steps", "device_capability",
-    "final_loss_scale", "wall_time_s", "versions", "compile_time_s",
+    "final_loss_scale", "wall_time_s", "versions", "compile_time_s", "cudagraph_skips",
 }
 
 
@@ -363,13 +363,14 @@ def test_peak_memory_is_trainings_and_evaluation_is_apart(tmp_path, monkeypatch)
     assert s["peak_memory_bytes"] == 100 and s["eval_peak_memory_bytes"] == 1000
 
 
-@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize(("compile_mode", "fmt"), [("default", "mxfp8"), ("reduce-overhead", "nvfp4")])
 def test_trainer_compile_traces_emulated_mx_layers_into_the_models_graph(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compile_mode: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compile_mode: str, fmt: str
 ) -> None:
     """trainer.compile with precision=mx: the converted layers are traced into the model's graph
     (``in_graph``; tests/test_mx.py holds that graph to eager's gradients), and the model compiles with
-    the quantizers' exact rounding options beside its mode's. Without compile they stay graph breaks."""
+    the quantizers' exact rounding options beside its mode's. Without compile they stay graph breaks.
+    NVFP4's stochastic rounding: its stream is made before the trace, a static input of the graph."""
     from torch import nn
 
     from mptrain.cli import compose
@@ -381,13 +382,16 @@ def test_trainer_compile_traces_emulated_mx_layers_into_the_models_graph(
     handed: list[dict[str, Any]] = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: handed.append(kw))
     for compiled in (False, True):
-        cfg = compose([*tiny("resnet50", "precision=mx", f"trainer.compile={compiled}",
+        cfg = compose([*tiny("resnet50", "precision=mx", f"precision.format={fmt}", f"trainer.compile={compiled}",
                              f"trainer.compile_mode={compile_mode}"), "trainer.device=cpu"])
         validate(cfg)
         engine = Engine(cfg, tmp_path / str(compiled))
         layers = [m for net in engine.task.modules.values() for m in net.modules()
                   if isinstance(m, MxConv2d | MxLinear)]
         assert layers and all(m.in_graph == compiled for m in layers)
+        streams = engine.precision.mx_state.rng._streams  # type: ignore[union-attr]
+        assert (fmt == "nvfp4" and compiled) == (torch.device("cpu") in streams)
+        assert all(getattr(s.counter, "_dynamo_static_input_type", None) == "unguarded" for s in streams.values())
     (options,) = [kw["options"] for kw in handed]
     assert options.items() >= compiled_calls._EAGER_NUMERICS.items()
     assert set(options) <= set(torch._inductor.config.get_config_copy())  # what inductor takes

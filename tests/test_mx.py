@@ -841,6 +841,44 @@ def test_layers_in_the_graph_compile_whole_with_eagers_gradients(options: dict[s
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("fused_on", [False, True], ids=["reference", "fused"])
+def test_stochastic_rounding_compiled_whole_draws_what_eager_draws(fused_on: bool) -> None:
+    """NVFP4's recipe (stochastic rounding of gradients, Hadamard on wgrad, 2D weight tiles) with
+    ``in_graph``: one graph, no break. AOTAutograd's graphs on eager kernels advance the rounding
+    stream as eager does and give its gradients bit for bit, step after step, though the draws
+    change them from step to step. Rewinding the stream (a resume) repeats a step: the graph reads
+    the counter on every call. Its tensors are static inputs, for a CUDA graph that advances it."""
+    from mptrain.numerics import fused
+
+    def net() -> nn.Module:
+        torch.manual_seed(7)
+        return nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16, 64),
+                             nn.ReLU(), nn.Linear(64, 32, bias=False))  # fmt: skip
+
+    x = torch.randn(2, 16, 4, 4)
+    options = {"format": "nvfp4", "keep_last": 0}
+    with fused.forced(fused_on):
+        eager, eager_state = convert_model(net(), options)
+        model, state = convert_model(net(), options, in_graph=True)
+        stream = state.rng._streams[x.device]  # made at conversion, before any trace
+        assert all(getattr(t, "_dynamo_static_input_type", None) == "unguarded" for t in (stream.keys, stream.counter))
+        torch._dynamo.reset()
+        seen = torch._dynamo.explain(model)(x)
+        assert (seen.graph_count, seen.graph_break_count) == (1, 0)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        steps, draws = [], [0]
+        for _ in range(3):
+            want, got = _grads(eager, eager, x), _grads(model, compiled, x)
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+            draws.append(int(stream.counter))
+            assert draws[-1] == int(eager_state.rng.get(x.device).counter) > draws[-2]
+            steps.append(got)
+        assert any(not torch.equal(a, b) for a, b in zip(steps[0], steps[1], strict=True))
+        stream.load_state_dict({"draws": draws[1]})
+        assert all(torch.equal(g, w) for g, w in zip(_grads(model, compiled, x), steps[1], strict=True))
+
+
 @pytest.mark.parametrize(("shape", "k", "stride", "padding", "dilation", "channels_last", "way"), [
     ((2, 5, 9, 9), (3, 3), (1, 1), (1, 1), (1, 1), False, "windows"),
     ((2, 5, 8, 8), (1, 1), (2, 2), (0, 0), (1, 1), False, "windows"),  # an unpadded 1x1 with a stride

@@ -41,11 +41,13 @@ def parse_list(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-# The modes that also come compiled whole (PRECISION_ALIASES' *_compiled, *_cudagraphs): the baselines
-# and MXFP8, whose layers trainer.compile traces into the model's graph.
+# The modes that also come compiled whole (PRECISION_ALIASES' *_compiled, *_cudagraphs): the baselines,
+# MXFP8 and NVFP4, whose layers trainer.compile traces into the model's graph.
 _MXFP8 = ["precision=mx", "precision.format=mxfp8"]
+_NVFP4 = ["precision=mx", "precision.format=nvfp4"]
 _COMPILABLE = {"fp32": ["precision=fp32"], "amp_bf16": ["precision=amp_bf16"], "mxfp8": _MXFP8,
-               "mxfp8_bf16": [*_MXFP8, "precision.emulated_compute=bf16"]}
+               "mxfp8_bf16": [*_MXFP8, "precision.emulated_compute=bf16"], "nvfp4": _NVFP4,
+               "nvfp4_bf16": [*_NVFP4, "precision.emulated_compute=bf16"]}
 
 # Precision names the harness accepts beyond the config group's: a mode with a non-default option,
 # so one grid can hold both FP8 backends.
@@ -70,8 +72,8 @@ PRECISION_ALIASES = {
     # division by a run-time size in their kernels
     **{f"{fmt}_bf16_static": ["precision=mx", f"precision.format={fmt}", "precision.emulated_compute=bf16",
                               "precision.graph_static_shapes=true"] for fmt in ("mxfp8", "nvfp4")},
-    # ...and compiled whole, the emulated layers traced into the model's graph (trainer.compile; MX
-    # without stochastic rounding), beside amp_bf16 compiled the same way; "cudagraphs": with
+    # ...and compiled whole, the emulated layers traced into the model's graph (trainer.compile; NVFP4
+    # with its recipe's stochastic rounding), beside amp_bf16 compiled the same way; "cudagraphs": with
     # compile_mode=reduce-overhead, which replays each step's kernels as CUDA graphs on a GPU
     **{f"{name}_compiled": [*_COMPILABLE[name], "trainer.compile=true"] for name in _COMPILABLE},
     **{f"{name}_cudagraphs": [*_COMPILABLE[name], "trainer.compile=true",

@@ -29,6 +29,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor
 
+from mptrain import cudagraphs
 from mptrain.bench.common import slug as _slug
 from mptrain.bench.runners import _BARE_UNSUPPORTED, EngineRunner, Micro, Runner, build_bare
 from mptrain.errors import MptrainError
@@ -306,6 +307,7 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
     _release(device_hint)
     base = _allocated(device_hint)
     compiled_before = fused.compile_seconds()
+    skips_before = cudagraphs.watch()
     with tempfile.TemporaryDirectory(prefix="mptrain-bench-") as tmp:
         engine = Engine(cfg, Path(tmp))
         engine.logger.close()  # no TensorBoard writer or live progress bar in the process
@@ -404,6 +406,8 @@ def run_cell(cell: Cell, cfg: DictConfig, opts: Options, flops_cache: dict[str, 
         # The emulated formats' compiled GEMM graphs so far in this process, and any given up (their
         # layers then ran per-quantizer kernels): what to look at when a formats cell is slow.
         rec["fused_graphs"] = {"compiled": len(compiled_calls._graphs), "given_up": sorted(compiled_calls._given_up)}
+        # CUDA graphs inductor did not record (a *_cudagraphs cell's graphs run as plain launches), first lines
+        rec["cudagraph_skips"] = [m.splitlines()[0] for m in cudagraphs.since(skips_before)]
         rec["loss_max_rel_diff"] = _rel_diff(e_losses, b_losses)
 
         if opts.profile and opts.out is not None:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from mptrain.errors import MptrainError
+from mptrain.numerics import fused
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
 from mptrain.numerics.qgemm import BlockQuantizer, GemmRecipe, QuantConv2dFn, QuantLinearFn, RngStreams
 
@@ -88,11 +89,12 @@ class _MxMixin:
     ``convert_model`` for ``trainer.compile``) traces its autograd function into the model's graph
     instead, which then holds the whole step: one graph (transformer_lm_tiny's MXFP8 step with bf16
     products took 0.8x as long on a CPU, docs/benchmarks), and CUDA graphs with
-    compile_mode=reduce-overhead, for a GPU step that its host would pace otherwise. Only without
-    stochastic rounding: its rounding stream is state outside the autograd function, which dynamo
-    will not change from inside one, so such a layer would break the graph anyway (config refuses
-    it). (Traced, the autograd functions gave zero gradients on torch 2.11, silently, until
-    ``qgemm.traced_output``.)"""
+    compile_mode=reduce-overhead, for a GPU step that its host would pace otherwise. Stochastic
+    rounding is traced too: the graph reads the rounding stream's counter and advances it in place,
+    drawing what eager draws. (What the trace reads but must not make, the stream and the fused
+    kernels' probe, is made at conversion on the layers' device: convert on the device the model
+    will run on.) (Traced, the autograd functions gave zero gradients on torch 2.11,
+    silently, until ``qgemm.traced_output``.)"""
 
     mx_recipe: GemmRecipe
     mx_format: str
@@ -307,13 +309,20 @@ def convert_model(
     gemms = [(n, m, k) for n, m, k in gemms if not any(n.startswith(p + ".") and p != n for p, _, _ in gemms)]
     last = opts.last(len(gemms))
     decisions = []
+    devices: set[torch.device] = set()
     for i, (name, module, kind) in enumerate(gemms):
         fmt, reason = _decide(name, module, kind, i, len(gemms), opts, last)
         if fmt != "high":
             module.__class__ = MX_LAYERS[type(module)]
             module.mx_recipe, module.mx_format = recipe, fmt  # type: ignore[assignment]
             module.in_graph = in_graph  # type: ignore[assignment]
+            if in_graph:
+                devices.update(p.device for p in module.parameters(recurse=False))
         decisions.append(LayerDecision(name, kind, fmt, reason))
+    for device in devices:  # what a trace of the layers reads but must not make (_MxMixin)
+        fused.enabled(torch.empty(0, device=device))  # the probe: it compiles and runs a kernel
+        if opts.stochastic_rounding:
+            state.rng.for_graph(device)
     if not any(d.format != "high" for d in decisions):
         log.warning(
             "precision=mx: no layer of %s computes in %s (see the decisions)", type(model).__name__, opts.format.name

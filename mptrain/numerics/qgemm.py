@@ -82,6 +82,17 @@ class RngStreams:
             stream = self._streams[device] = RoundingStream(self.seed, device)
         return stream
 
+    def for_graph(self, device: torch.device) -> RoundingStream:
+        """The stream on ``device``, for a model compiled whole (``convert_model(in_graph=True)``): made
+        before the graph is traced, as one made during the trace, inside an autograd function's
+        backward, is a side effect dynamo breaks the graph for; and its tensors marked as static
+        inputs (unguarded, as parameters are), so that the model's CUDA graph (compile_mode
+        reduce-overhead) may advance the counter in place rather than be skipped for mutating an input."""
+        stream = self.get(device)
+        torch._dynamo.mark_static_address(stream.keys)
+        torch._dynamo.mark_static_address(stream.counter)
+        return stream
+
     def state_dict(self) -> dict[str, dict[str, int]]:
         """Each device's draw count: a resumed run rounds as the uninterrupted one would."""
         return {str(d): s.state_dict() for d, s in self._streams.items()}
