@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench_notes import AVX512_RUNS, FORMAT_TARGETS, assert_in_notes, benchmark, keyed_rows
+from bench_notes import AVX512_RUNS, FORMAT_TARGETS, ROOT, assert_in_notes, benchmark, keyed_rows
 
 
 def test_the_one_graph_runs_in_prose_are_their_data() -> None:
@@ -803,3 +803,73 @@ def whole_compile_phrases() -> list[str]:
 
 def test_the_whole_compile_runs_in_prose_are_their_data() -> None:
     assert_in_notes(whole_compile_phrases())
+
+
+NVFP4_WHOLE_COMPILE = ("cpu-2026-12-04-amx-nvfp4-whole-compile", "cpu-2026-12-04-amx-nvfp4-whole-compile-repeat")
+
+
+def nvfp4_whole_compile_phrases() -> list[str]:
+    """transformer_lm_tiny, NVFP4 with its recipe (stochastic rounding traced into the graph), eager and
+    compiled whole."""
+    cells = [{c["precision"]: c for c in benchmark(n)["cells"]} for n in NVFP4_WHOLE_COMPILE]
+    runs = [{p: c["step_time_s"] * 1e3 for p, c in r.items()} for r in cells]
+    assert all(c["cudagraph_skips"] == [] and "error" not in c for r in cells for c in r.values())
+    rows = []
+    for base in ("nvfp4", "nvfp4_bf16"):
+        cols = [f"{r[base]:.1f} → {r[base + '_compiled']:.1f} | {r[base + '_compiled'] / r[base]:.2f}" for r in runs]
+        rows.append(f"| {base} | {' | '.join(cols)} |")
+
+    def both(num: str, den: str) -> str:
+        return " and ".join(f"{r[num] / r[den]:.2f}×" for r in runs)
+
+    cold = "; ".join(f"{p} " + " and ".join(f"{r[p]['compile_s']:.1f}" for r in cells) + " s"
+                     for p in ("nvfp4", "nvfp4_compiled", "nvfp4_bf16_compiled"))
+    return [*rows,
+            f"NVFP4's step took {both('nvfp4_compiled', 'nvfp4')} as long as eager with FP32 products, and "
+            f"{both('nvfp4_bf16_compiled', 'nvfp4_bf16')} with bf16 products",
+            f"eager NVFP4 took {both('nvfp4', 'fp32')} as long as FP32",
+            f"with bf16 products, it took {both('nvfp4_bf16_compiled', 'amp_bf16')} as long as amp_bf16's eager step, "
+            f"against {both('nvfp4_bf16', 'amp_bf16')} eager",
+            f"compile time in each cell's build and warm-up: {cold}"]
+
+
+def test_the_nvfp4_whole_compile_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(nvfp4_whole_compile_phrases())
+
+
+NVFP4_PROFILED = "cpu-2026-12-04-amx-nvfp4-whole-compile-profiled"
+
+
+def _profile_rows(path: Path) -> tuple[dict[str, list[str]], float]:
+    """A torch.profiler table's first block (sorted by self CPU time): name -> its columns, and the
+    self CPU total in ms."""
+    text = path.read_text()
+    block = text.split("Self CPU time total:")[0]
+    rows = {}
+    for line in block.splitlines():
+        cols = line.split()
+        if len(cols) >= 7 and cols[-1].isdigit():
+            rows.setdefault(" ".join(cols[:-6]), cols[-6:])
+    return rows, float(text.split("Self CPU time total:")[1].split("ms")[0])
+
+
+def _ms(v: str) -> float:
+    return float(v[:-2]) if v.endswith("ms") else float(v[:-2]) / 1e3  # "17.638ms" or "586.924us"
+
+
+def nvfp4_profiled_phrases() -> list[str]:
+    """The profiled third run: step times, and where its profiles put the swing between the cells."""
+    data = benchmark(NVFP4_PROFILED)
+    step = {c["precision"]: c["step_time_s"] * 1e3 for c in data["cells"]}
+    softmax, gemms = [], []
+    for c in data["cells"]:
+        rows, total = _profile_rows(ROOT / "docs/benchmarks" / c["profile"]["file"])
+        softmax.append(f"{_ms(rows['aten::_log_softmax'][4]):.1f} ms")
+        gemms.append(sum(_ms(rows[k][1]) for k in ("aten::mm", "aten::addmm")) / total)
+    return [f"had compiled faster than eager, {step['nvfp4_compiled']:.1f} against {step['nvfp4']:.1f} ms",
+            f"took {softmax[0]} a call in the eager cell and {softmax[1]} in the compiled one",
+            f"were {gemms[0]:.0%} and {gemms[1]:.0%} of the profiled self CPU time"]
+
+
+def test_the_profiled_nvfp4_run_in_prose_is_its_data() -> None:
+    assert_in_notes(nvfp4_profiled_phrases())
