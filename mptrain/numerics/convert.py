@@ -91,10 +91,10 @@ class _MxMixin:
     products took 0.8x as long on a CPU, docs/benchmarks), and CUDA graphs with
     compile_mode=reduce-overhead, for a GPU step that its host would pace otherwise. Stochastic
     rounding is traced too: the graph reads the rounding stream's counter and advances it in place,
-    drawing what eager draws. (What the trace reads but must not make, the stream and the fused
+    drawing what eager draws. What the trace reads but must not make, the stream and the fused
     kernels' probe, is made at conversion on the layers' device: convert on the device the model
-    will run on.) (Traced, the autograd functions gave zero gradients on torch 2.11,
-    silently, until ``qgemm.traced_output``.)"""
+    will run on. (Traced, the autograd functions gave zero gradients on torch 2.11, silently, until
+    ``qgemm.traced_output``.)"""
 
     mx_recipe: GemmRecipe
     mx_format: str
