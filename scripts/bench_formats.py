@@ -66,6 +66,9 @@ EXTRA: dict[str, Any] = {
     "nvfp4 bf16 amp": MXPrecisionConfig(name="mx", format="nvfp4", emulated_compute="bf16", autocast="bf16"),
 }
 REFERENCE = ("fp8 hybrid", "mxfp8", "nvfp4")  # --reference: these again on the eager reference
+# --modes "<mode> compiled": the model compiled whole as trainer.compile compiles it (the emulated
+# layers traced into its graph, the quantizers' rounding options), the optimizer step eager as in a run.
+COMPILED = " compiled"
 TORCHAO = ("torchao float8 tensorwise", "torchao float8 rowwise", "torchao mxfp8")
 # Which torchao mode each mptrain mode is held against (the issue's "emulated equivalent").
 EQUIVALENT = {"fp8 hybrid": TORCHAO[:2], "fp8 hybrid tensor": TORCHAO[:1], "fp8 hybrid rowwise": TORCHAO[1:2],
@@ -114,14 +117,23 @@ def build(model_name: str, mode: str) -> Mode | str:
     model = make()
     base = mode.removesuffix(" (eager reference)")
     context = fused.reference if base != mode else contextlib.nullcontext
+    compiled = base.endswith(COMPILED)
+    base = base.removesuffix(COMPILED)
     if base in MPTRAIN or base in EXTRA:
         precision = build_precision(OmegaConf.structured({**MPTRAIN, **EXTRA}[base]), torch.device("cpu"))
-        model = precision.prepare_model(model)
-        if base == mode:  # the run's autocast region, where the mode has one (the engine's forward)
+        if compiled and precision.fp8 is not None:
+            return "trainer.compile refuses emulated FP8: its layers are graph breaks"
+        model = precision.prepare_model(model, compiled=compiled)
+        if compiled:
+            compiled_calls.pin_cpu_vector_isa()
+            model.compile(**compiled_calls.model_compile_args("default", precision.emulated))
+        if not mode.endswith(" (eager reference)"):  # the run's autocast region, where the mode has one
             context = precision.autocast
         state = precision.mx_state or precision.fp8_state
         quantized = None if state is None else sum(d.format != "high" for d in state.decisions)
         after = precision.after_step
+    elif compiled:
+        return "torchao's modes run eager here"
     else:
         if not isinstance(model[0] if isinstance(model, nn.Sequential) else None, nn.Linear):
             return "torchao converts nn.Linear only: not comparable on a convolutional net"
@@ -276,8 +288,9 @@ def main(argv: list[str] | None = None) -> None:
             parts: dict[str, Any] = {"gap_ms": round(gap, 2), "quantizers_ms": None, "quantizer_calls": None,
                                      "other_ms": None}
             # The split is for the fused modes: replayed alone, the eager chains' many intermediates
-            # meet colder caches than inside the step, and their replay overstated them.
-            if not m.endswith(" (eager reference)"):
+            # meet colder caches than inside the step, and their replay overstated them. A model compiled
+            # whole has its quantizers inside its graph, with no calls to record.
+            if not m.endswith((" (eager reference)", COMPILED)):
                 q_ms, q_calls = quantizer_ms(runs[m], x, y)
                 parts.update(quantizers_ms=round(q_ms, 2), quantizer_calls=q_calls, other_ms=round(gap - q_ms, 2) + 0.0)
             rows.append({
