@@ -125,8 +125,13 @@ def build(model_name: str, mode: str) -> Mode | str:
             return "trainer.compile refuses emulated FP8: its layers are graph breaks"
         model = precision.prepare_model(model, compiled=compiled)
         if compiled:
+            # torch.compile(model), not model.compile(): dynamo skips the frames of torch's own modules
+            # at the top (the MLP is an nn.Sequential), and would compile each layer on its own. Static
+            # shapes: every mode's model runs Sequential.forward's code, and past its second compile
+            # dynamo would make the formats' float constants symbolic (inductor 2.11 then failed).
             compiled_calls.pin_cpu_vector_isa()
-            model.compile(**compiled_calls.model_compile_args("default", precision.emulated))
+            args = compiled_calls.model_compile_args("default", precision.emulated)
+            model = torch.compile(model, dynamic=False, **args)  # type: ignore[assignment]
         if not mode.endswith(" (eager reference)"):  # the run's autocast region, where the mode has one
             context = precision.autocast
         state = precision.mx_state or precision.fp8_state
