@@ -873,3 +873,44 @@ def nvfp4_profiled_phrases() -> list[str]:
 
 def test_the_profiled_nvfp4_run_in_prose_is_its_data() -> None:
     assert_in_notes(nvfp4_profiled_phrases())
+
+
+MLP_WHOLE_COMPILE = [f"cpu-2026-12-04-amx-mlp-b{b}-whole-compile{r}" for r in ("", "-repeat") for b in (128, 1024)]
+
+
+def mlp_whole_compile_phrases() -> list[str]:
+    """The issue's MLP, each mode eager and compiled whole, in the same interleaved rounds
+    (scripts/bench_formats.py): the table's rows, paired ratios to FP32 (run, repeat)."""
+    rows: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for name in MLP_WHOLE_COMPILE:
+        for r in benchmark(name)["rows"]:
+            rows.setdefault((r["batch"], r["mode"]), []).append(r)
+    # compiled whole, the same arithmetic as eager: Linear and ReLU only, where inductor adds nothing
+    for (batch, mode), runs in rows.items():
+        if mode.endswith(" compiled"):
+            assert [r["last_loss"] for r in runs] == [r["last_loss"] for r in rows[batch, mode[:-9]]]
+    out = []
+    for base in ("fp32", "mxfp8", "nvfp4", "mxfp8 bf16", "nvfp4 bf16"):
+        cols = []
+        for batch in (128, 1024):
+            eager, comp = rows[batch, base], rows[batch, base + " compiled"]
+            cols.append(" / ".join(f"{e['vs_fp32_cpu_paired']:.2f}x → {c['vs_fp32_cpu_paired']:.2f}x"
+                                   for e, c in zip(eager, comp, strict=True)))
+        out.append(f"| {base} | {' | '.join(cols)} |")
+    cold = {m: " and ".join(f"{r['compile_s']:.1f}" for r in rows[128, m])
+            for m in ("mxfp8 compiled", "nvfp4 compiled", "mxfp8 bf16 compiled", "nvfp4 bf16 compiled")}
+
+    def both(batch: int, mode: str) -> str:  # "run/repeat"
+        return "/".join(f"{r['vs_fp32_cpu_paired']:.2f}x" for r in rows[batch, mode])
+
+    return [*out, "compile time at batch 128 (cold): " + "; ".join(f"{m} {s} s" for m, s in cold.items()),
+            f"MXFP8 from {both(128, 'mxfp8')} to {both(128, 'mxfp8 compiled')} of FP32 at batch 128, and from "
+            f"{both(1024, 'mxfp8')} to {both(1024, 'mxfp8 compiled')} at batch 1024",
+            f"below FP32 ({both(128, 'mxfp8 bf16 compiled')}, and {both(1024, 'mxfp8 bf16 compiled')})",
+            f"NVFP4 gains less: {both(128, 'nvfp4')} → {both(128, 'nvfp4 compiled')} at batch 128",
+            f"{both(1024, 'nvfp4')} → {both(1024, 'nvfp4 compiled')} with FP32 products, "
+            f"{both(1024, 'nvfp4 bf16')} → {both(1024, 'nvfp4 bf16 compiled')} with bf16"]
+
+
+def test_the_mlp_whole_compile_runs_in_prose_are_their_data() -> None:
+    assert_in_notes(mlp_whole_compile_phrases())
