@@ -175,6 +175,12 @@ class Engine:
             )
         self.total_steps = t.max_steps or t.epochs * self.steps_per_epoch
         self.grad_clip = t.grad_clip  # read every step: keep it out of the DictConfig
+        if t.compile:
+            # A fresh dynamo for this job's model: Hydra's basic launcher runs a sweep's jobs in one
+            # process, each model running the last one's forward code, and dynamo's state from those
+            # compiles would make this job's differing constants symbolic (automatic dynamic: NVFP4's
+            # element max after MXFP8's failed to trace) and count its compiles against their limit.
+            torch._dynamo.reset()
         self.slots = [self._build_slot(obj) for obj in self.task.objectives]
         if cfg.telemetry.shadow and self.dist.enabled and cfg.telemetry.name != "off":
             raise MptrainError("telemetry.shadow=true: not supported under torchrun/DDP (run one plain process)")

@@ -422,3 +422,22 @@ def test_the_engine_pins_inductors_vector_isa_before_it_compiles_a_model_on_a_cp
         picked = compiled_calls.cpu_vector_bits()
         Engine(cfg, tmp_path)
     assert seen == [picked]
+
+
+def test_a_sweeps_compiled_jobs_in_one_process_each_trace_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra's basic launcher runs a sweep's jobs in one process. With trainer.compile, each job's
+    model runs the same forward code as the last job's. Dynamo's state from the last job's compiles
+    made the next job's differing constants symbolic (NVFP4's element max after MXFP8's), and its
+    trace failed; it also counted every job's compiles against one recompile limit. The engine
+    starts each compiled job from a fresh dynamo. (AOTAutograd on eager kernels: the trace is the
+    subject, not inductor.)"""
+    from mptrain.numerics import compiled_calls
+
+    monkeypatch.setattr(compiled_calls, "model_compile_args", lambda mode, emulated: {"backend": "aot_eager"})
+    for fmt in ("mxfp8", "nvfp4"):
+        s = run_job(tmp_path / fmt, "model=transformer_lm_tiny", "model.num_layers=1", "model.d_model=32",
+                    "model.num_heads=2", "precision=mx", f"precision.format={fmt}", "trainer.compile=true",
+                    "data.batch_size=4", "trainer.max_steps=2", "trainer.log_every=1")
+        assert s["status"] == "completed" and math.isfinite(s["final_loss"])
