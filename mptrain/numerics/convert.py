@@ -282,8 +282,8 @@ def convert_model(
     Pass the state of the task's previous networks as ``state``: the new network is added to it.
     ``in_graph``: the model will be compiled whole, and its converted layers traced into its graph
     (``_MxMixin``). Compiling a second model of another format whose forward is the same code (another
-    instance of the class, in the same process) makes dynamo recompile that code, and from its
-    third compile on it treats the formats' float constants as symbolic, which failed to trace on
+    instance of the class, in the same process) makes dynamo recompile that code, and a recompile
+    for changed float constants makes them symbolic (automatic dynamic), which failed to trace on
     torch 2.11: reset dynamo between them (``torch._dynamo.reset()``, as the engine does per job) or
     compile with ``dynamic=False``.
     """
