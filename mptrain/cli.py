@@ -168,6 +168,16 @@ def help_text() -> str:
     for group in GROUPS:
         names = [f"{n}*" if n == defaults.get(group) else n for n in choices(group)]
         lines.append(f"  {group:<11} {', '.join(names)}")
+    lines += [
+        "",
+        "bring your own model (README, \"Bring your own model\"):",
+        "  model=torchvision model.arch=NAME [model.kwargs={...}]     any torchvision classifier (weights=None)",
+        "  model=timm model.arch=NAME [model.kwargs={...}]            any timm model (pretrained=False; [timm])",
+        "  model=hf_causal_lm model.model_type=TYPE model.config={}   a transformers causal LM from a config ([hf])",
+        "  model=custom model._target_=pkg.module.callable            your nn.Module (model.task=language_model: LM)",
+        "  data=custom data._target_=pkg.module.callable              your (train, val) datasets",
+        "  model.init_from=PATH                                       start from a local state dict or checkpoint",
+    ]
     cfg = compose([])
     lines += ["", "keys (key=value; the chosen group's keys shown for the defaults):"]
     for section in ("trainer", "data", "optim", "sched", "loss_scale", "model"):

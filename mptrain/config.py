@@ -27,18 +27,60 @@ from mptrain.errors import MptrainError, check
 
 @dataclass
 class ClassifierModelConfig:
-    """A torchvision image classifier (random init)."""
+    """An image classifier from a zoo, random init: ``model=torchvision`` (and the presets over it:
+    resnet50, vgg16, ...) or ``model=timm``, with ``model.arch=NAME``. Null sizes are the
+    architecture's own (see mptrain.models.vision)."""
 
     name: str = MISSING
     task: str = "classification"
+    route: str = "torchvision"  # torchvision | timm
+    arch: str = MISSING  # the zoo's model name (torchvision.models.list_models(), timm.list_models())
+    # Constructor arguments, as timm's --model-kwargs. Typed Any with a null default: Hydra's override
+    # (model.kwargs={a:1}) replaces a null, but merges into a dict, whose struct flag refuses new keys.
+    kwargs: Any = None
     num_classes: int | None = None  # None: taken from the dataset
-    image_size: int = 224  # canonical input size, used on CUDA when data.image_size is null
-    cpu_image_size: int = 64  # used on CPU when data.image_size is null (a short demo run)
-    min_image_size: int = 32  # smallest input the architecture accepts
+    image_size: int | None = None  # used on CUDA when data.image_size is null (null: the canonical size)
+    cpu_image_size: int | None = None  # used on CPU when data.image_size is null (null: a small size it accepts)
+    min_image_size: int | None = None  # smallest input the architecture accepts (null: not checked up front)
     width_divisor: int = 1  # divide every channel count (tiny models for tests and CPU smoke runs)
-    aux_logits: bool = False  # GoogLeNet / Inception v3 auxiliary classifiers
+    aux_logits: bool | None = None  # GoogLeNet / Inception v3 auxiliary classifiers (null: the arch's default)
     aux_weight: float = 0.0  # weight of each auxiliary loss in the training loss
-    dropout: float = 0.5
+    dropout: float | None = None  # null: the architecture's default
+    init_from: str | None = None  # a local state dict or mptrain checkpoint to start from
+    init_strict: bool = True  # init_from: every key and shape must match
+
+
+@dataclass
+class CustomModelConfig:
+    """``model=custom``: the user's callable (``model._target_``) returns the nn.Module; see
+    mptrain.models.custom for the contract."""
+
+    name: str = "custom"
+    task: str = "classification"  # classification | language_model
+    route: str = "custom"
+    _target_: str = MISSING  # package.module.callable
+    kwargs: Any = None  # keyword arguments of _target_ (Any and null: see ClassifierModelConfig.kwargs)
+    num_classes: int | None = None  # None: taken from the dataset
+    image_size: int = 224  # used on CUDA when data.image_size is null
+    cpu_image_size: int = 32  # used on CPU when data.image_size is null
+    aux_weight: float = 0.0  # weight of each auxiliary loss (a classifier returning a tuple)
+    init_from: str | None = None
+    init_strict: bool = True
+
+
+@dataclass
+class HFCausalLMConfig:
+    """``model=hf_causal_lm``: any causal LM that transformers knows, built from a config, offline
+    (``AutoConfig.for_model(model_type, **config)``, ``AutoModelForCausalLM.from_config``)."""
+
+    name: str = "${.model_type}"
+    task: str = "language_model"
+    route: str = "hf_causal_lm"
+    model_type: str = MISSING  # llama, gpt2, qwen2, mistral, ... (transformers' CONFIG_MAPPING)
+    config: Any = None  # the config's fields (see ClassifierModelConfig.kwargs); vocab_size: null takes the data's
+    attn_implementation: str = "sdpa"  # eager | sdpa (flash_attention_2 where installed)
+    init_from: str | None = None
+    init_strict: bool = True
 
 
 @dataclass
@@ -56,6 +98,8 @@ class LanguageModelConfig:
     dropout: float = 0.2  # on the embeddings, between layers and before the softmax
     tie_weights: bool = True  # softmax weight = embedding; needs emb_size == (proj_size or hidden_size)
     init_range: float = 0.1  # embedding (and softmax) weights ~ U(-init_range, init_range)
+    init_from: str | None = None  # a local state dict or mptrain checkpoint to start from
+    init_strict: bool = True
 
 
 @dataclass
@@ -74,6 +118,8 @@ class TransformerLMConfig:
     dropout: float = 0.1  # on embeddings, attention weights, and each block's two residual branches
     tie_weights: bool = True  # lm_head weight = token embedding
     init_std: float = 0.02  # weights ~ N(0, init_std); residual projections / sqrt(2 * num_layers)
+    init_from: str | None = None  # a local state dict or mptrain checkpoint to start from
+    init_strict: bool = True
 
 
 @dataclass
@@ -124,6 +170,16 @@ class DataConfig:
     text_pattern: str = "phrases"  # synthetic_text: phrases (learnable) | uniform (i.i.d., nothing to learn)
 
 
+@dataclass
+class CustomDataConfig(DataConfig):
+    """``data=custom``: the user's callable returns (train, val) map-style datasets (see
+    mptrain.data.custom); batch sizes, workers and classes stay mptrain's keys."""
+
+    name: str = "custom"
+    _target_: str = MISSING  # package.module.callable
+    kwargs: Any = None  # keyword arguments of _target_ (Any and null: see ClassifierModelConfig.kwargs)
+
+
 # --------------------------------------------------------------------------------------------
 # precision
 
@@ -151,6 +207,10 @@ class FP8PrecisionConfig(PrecisionConfig):
     master_weights: str = "fp16"  # emulated: fp16 (Mellempudi et al.) | fp32
     stochastic_rounding: bool = True  # emulated: stochastic rounding of gradients and master weights
     emulated_compute: str = "fp32"  # emulated: dtype the quantized values are multiplied in
+    # Layer-name patterns (fnmatch; a module's name covers the layers inside it), checked: each must
+    # name a layer. keep_high: these stay high; only: only these are converted (keep_high wins).
+    keep_high: list[str] = field(default_factory=list)
+    only: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -162,7 +222,8 @@ class MXPrecisionConfig(PrecisionConfig):
     stochastic_rounding: bool | None = None  # gradients (null: nvfp4 yes, MX no)
     hadamard: bool | None = None  # random Hadamard transform on both wgrad operands (null: nvfp4 yes)
     weight_2d_blocks: bool | None = None  # square weight tiles, 16x16 for nvfp4 (null: nvfp4 yes)
-    keep_high: list[str] = field(default_factory=list)  # fnmatch patterns of layer names kept high
+    keep_high: list[str] = field(default_factory=list)  # layer-name patterns kept high (see FP8PrecisionConfig)
+    only: list[str] = field(default_factory=list)  # layer-name patterns: only these are converted
     keep_first: int = 0  # first GEMM layers kept high
     keep_last: int | None = None  # last GEMM layers kept high (null: nvfp4 the last 15%, MX none)
     pad_blocks: bool = True  # zero-pad reduction dims to the block; false: such layers stay high
@@ -344,10 +405,11 @@ class FSDP2Config(ParallelConfig):
     (torch.distributed.fsdp.fully_shard), checkpoints written by every rank (DCP)."""
 
     reshard_after_forward: bool = True  # free the gathered weights after each unit's forward (ZeRO-3)
-    # Modules that become their own FSDP unit, then the root: [auto] is the model family's rule (every
-    # transformer block, ResNet bottleneck, Inception block, the LSTM); else module-name patterns (fnmatch per
-    # dotted segment: blocks.* is each block)
-    shard: list[str] = field(default_factory=lambda: ["auto"])
+    # Modules that become their own FSDP unit, then the root: [auto] is the model's default (an HF model's
+    # decoder layers, every transformer block, ResNet bottleneck, Inception block, the LSTM, else a zoo
+    # model's top-level stages); else module-name patterns (fnmatch per dotted segment: blocks.* is each
+    # block), each of which must match a module
+    shard_modules: list[str] = field(default_factory=lambda: ["auto"])
     replicate: int = 1  # the mesh: (replicate, shard) with shard = world size / replicate; > 1 is HSDP
 
 
@@ -401,6 +463,8 @@ class Config:
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {
         "classifier": ClassifierModelConfig,
+        "custom": CustomModelConfig,
+        "hf_causal_lm": HFCausalLMConfig,
         "language_model": LanguageModelConfig,
         "transformer_lm": TransformerLMConfig,
         "dcgan": DCGANConfig,
@@ -416,7 +480,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "adaptive": AdaptiveLossScaleConfig,
     },
     "optim": {"sgd": SGDConfig, "adamw": AdamWConfig},
-    "data": {"base": DataConfig},
+    "data": {"base": DataConfig, "custom": CustomDataConfig},
     "sched": {"base": SchedConfig},
     "telemetry": {"base": TelemetryConfig},
     "parallel": {"ddp": ParallelConfig, "fsdp2": FSDP2Config},
@@ -511,16 +575,31 @@ def validate(cfg: DictConfig) -> None:
         check(any(root.iterdir()), f"data.root={d.root}: the directory is empty")
     elif d.name in ("image_folder", "cifar10", "text_corpus"):
         raise MptrainError(f"data={d.name} needs data.root=PATH (the dataset directory)")
+    if d.name == "custom":
+        check(not OmegaConf.is_missing(d, "_target_"),
+              "data=custom needs data._target_=package.module.callable (it returns the (train, val) datasets)")
+        from mptrain.data.custom import check_custom_data
+
+        check_custom_data(cfg)
 
     m = cfg.model
+    from mptrain.models import check_config  # the model's own checks: an arch, a _target_, an extra
+
+    check_config(m)
     if m.get("task") == "classification":
-        _at_least(m.width_divisor, 1, "model.width_divisor")
+        _at_least(m.get("width_divisor", 1), 1, "model.width_divisor")
         _at_least(m.num_classes, 2, "model.num_classes", allow_none=True)
-        if d.image_size is not None:
+        for key in ("image_size", "cpu_image_size"):
+            _at_least(m.get(key), 8, f"model.{key}", allow_none=True)
+        if m.get("dropout") is not None:
+            check(0 <= m.dropout < 1, f"model.dropout={m.dropout}: must be in [0, 1)")
+        if d.image_size is not None and m.get("min_image_size") is not None:
             check(
                 d.image_size >= m.min_image_size,
                 f"data.image_size={d.image_size}: model={m.name} needs at least {m.min_image_size} px",
             )
+    if m.get("init_from"):
+        check(Path(str(m.init_from)).expanduser().exists(), f"model.init_from={m.init_from}: no such file or directory")
 
     o = cfg.optim
     _positive(o.lr, "optim.lr")
@@ -561,8 +640,10 @@ def validate(cfg: DictConfig) -> None:
         _at_least(p.keep_first, 0, "precision.keep_first")
         _at_least(p.keep_last, 0, "precision.keep_last", allow_none=True)
         _at_least(p.seed, 0, "precision.seed")
-        for pattern in p.keep_high:
-            check(bool(pattern), "precision.keep_high: an empty pattern; give layer names or fnmatch patterns")
+    if p.name in ("mx", "fp8"):
+        for key in ("keep_high", "only"):
+            for pattern in p[key]:
+                check(bool(pattern), f"precision.{key}: an empty pattern; give layer names or fnmatch patterns")
 
     ls = cfg.loss_scale
     _one_of(ls.name, LOSS_SCALES, "loss_scale.name")
@@ -624,8 +705,8 @@ def _validate_parallel(cfg: DictConfig) -> None:
     if par.name != "fsdp2":
         return
     _at_least(par.replicate, 1, "parallel.replicate")
-    check(len(par.shard) > 0 and all(bool(p) for p in par.shard),
-          "parallel.shard: name module patterns (e.g. [blocks.*], each block) or [auto]")
+    check(len(par.shard_modules) > 0 and all(bool(p) for p in par.shard_modules),
+          "parallel.shard_modules: name module patterns (e.g. [blocks.*], each block) or [auto]")
     check(cfg.loss_scale.name != "adaptive",
           "loss_scale=adaptive with parallel=fsdp2: its per-layer scales are computed in backward hooks of an "
           "fx-traced copy of the model from each layer's whole weight and gradient, and FSDP2 holds only shards "
@@ -676,7 +757,7 @@ def _validate_family(cfg: DictConfig) -> None:
     if task == "classification":
         check(
             d.name not in TEXT_DATASETS,
-            f"data={d.name} is text; model={m.name} needs images: {', '.join(IMAGE_DATASETS)}",
+            f"data={d.name} is text; model={m.name} needs images: {', '.join(IMAGE_DATASETS)}, custom",
         )
     elif task == "language_model":
         _validate_language_model(cfg)
@@ -687,8 +768,8 @@ def _validate_family(cfg: DictConfig) -> None:
 def _validate_language_model(cfg: DictConfig) -> None:
     m, d = cfg.model, cfg.data
     check(
-        d.name in TEXT_DATASETS,
-        f"data={d.name}: model={m.name} needs text data: {', '.join(TEXT_DATASETS)}",
+        d.name in (*TEXT_DATASETS, "custom"),
+        f"data={d.name}: model={m.name} needs text data: {', '.join(TEXT_DATASETS)}, custom",
     )
     _at_least(d.bptt, 1, "data.bptt")
     _at_least(d.vocab_size, 3, "data.vocab_size", allow_none=True)  # <unk>, <eos> and one word
@@ -697,6 +778,8 @@ def _validate_language_model(cfg: DictConfig) -> None:
         _at_least(d.train_tokens, 2, "data.train_tokens")
         _at_least(d.val_tokens, 2, "data.val_tokens")
         _one_of(d.text_pattern, ("phrases", "uniform"), "data.text_pattern")
+    if m.get("route") in ("hf_causal_lm", "custom"):  # the model's own config: checked where it is built
+        return
     arch = m.get("arch", "lstm")
     _one_of(arch, LM_ARCHS, "model.arch")
     check(0 <= m.dropout < 1, f"model.dropout={m.dropout}: must be in [0, 1)")
@@ -711,6 +794,10 @@ LM_ARCHS = ("lstm", "transformer")
 
 def _validate_lstm_lm(cfg: DictConfig) -> None:
     m = cfg.model
+    check(cfg.data.name != "custom",
+          f"data=custom with model={m.name}: the LSTM carries its state from batch to batch along one token stream "
+          "(truncated BPTT), and a custom dataset's items are independent sequences; use a transformer, "
+          "model=hf_causal_lm or model=custom, or data=text_corpus")
     for key in ("emb_size", "hidden_size", "num_layers"):
         _at_least(m[key], 1, f"model.{key}")
     _at_least(m.proj_size, 0, "model.proj_size")

@@ -46,6 +46,7 @@ from mptrain import __version__, checkpoint, cudagraphs, distributed, sharded_ch
 from mptrain.errors import DivergedError, MptrainError
 from mptrain.logger import RunLogger
 from mptrain.memory import PeakMemory, host_memory
+from mptrain.models.vision import image_size_for
 from mptrain.numerics import compiled_calls, fused, rounding_rng
 from mptrain.numerics.loss_scaling import LossScaler
 from mptrain.numerics.plan import PrecisionPlan, build_plan
@@ -160,12 +161,14 @@ class Engine:
             log.info("quantizers: %s", fused.status(self.device))
 
         image_size = None
-        if cfg.model.get("task", "classification") in ("classification", "gan"):
-            image_size = cfg.data.image_size or (
-                cfg.model.image_size if self.device.type == "cuda" else cfg.model.cpu_image_size
-            )
-        self.image_size = image_size
+        if cfg.model.get("task", "classification") in ("classification", "gan") and cfg.data.name != "custom":
+            image_size = cfg.data.image_size
+            if image_size is None and cfg.model.get("route") in ("torchvision", "timm"):
+                image_size = image_size_for(cfg.model, self.device.type)  # null sizes: the architecture's own
+            elif image_size is None:
+                image_size = cfg.model.image_size if self.device.type == "cuda" else cfg.model.cpu_image_size
         self.task: Task = build_task(cfg, self.device, self.precision, image_size)
+        self.image_size = getattr(self.task, "image_size", image_size)  # data=custom: its items' size
 
         self.steps_per_epoch = self.task.steps_per_epoch() // t.grad_accum
         if self.steps_per_epoch < 1:
@@ -182,6 +185,7 @@ class Engine:
             # element max after MXFP8's failed to trace) and count its compiles against their limit.
             torch._dynamo.reset()
         self.slots = [self._build_slot(obj) for obj in self.task.objectives]
+        self.precision.check_patterns()
         if cfg.telemetry.shadow and self.dist.enabled and cfg.telemetry.name != "off":
             raise MptrainError("telemetry.shadow=true: not supported under torchrun/DDP (run one plain process)")
         for slot in self.slots:
@@ -251,7 +255,8 @@ class Engine:
                 self.task.loss(self.slots[0].objective, batch)
 
         try:
-            return build_plan(self.task.modules, forward, self.precision.plan_default())
+            return build_plan(self.task.modules, forward, self.precision.plan_default(),
+                              uncovered=self.precision.fp8 is not None or self.precision.mx is not None)
         finally:
             self.task.load_state_dict(state)
 

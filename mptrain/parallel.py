@@ -8,7 +8,7 @@ backward and reduce-scatters its gradients after. The optimizer, ``torch.amp.Gra
 global norm). What is written here is the glue that mptrain's precision object needs:
 
 - ``shard_policy``: how each precision mode maps onto FSDP2 (README.md's table is this function);
-- ``Fsdp2.shard``: the units (the model family's rule, or ``parallel.shard`` patterns), then the root;
+- ``Fsdp2.shard``: the units (the model's default, or ``parallel.shard_modules`` patterns), then the root;
 - ``Fsdp2.after_step``: per-step work on the shards (bf16_pure's rounding, torchao's scales);
 - ``state_bytes``: parameter, gradient and optimizer-state bytes held by this rank.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from mptrain.distributed import DistEnv
 from mptrain.errors import MptrainError
 from mptrain.numerics.precision import _NORM_TYPES, Precision, stochastic_round_to_bf16
+from mptrain.patterns import check_all_match, matches_exactly
 
 log = logging.getLogger("mptrain")
 
@@ -151,25 +151,48 @@ def auto_unit_types() -> tuple[type[nn.Module], ...]:
             InceptionAux, nn.LSTM)
 
 
-def _matches(name: str, pattern: str) -> bool:
-    """fnmatch per dotted segment: ``*`` stays within one segment, so ``blocks.*`` is each block."""
-    parts, pats = name.split("."), pattern.split(".")
-    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats, strict=True))
+def _n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def stage_units(model: nn.Module) -> list[str]:
+    """A zoo model's top-level stages: descend through any child that holds over 90% of the
+    parameters (timm's ``stages``, torchvision's ``features``), then take the children there that are
+    blocks of layers, not single layers (``stages.0``..``stages.3``, ``layer1``..``layer4``). Fewer
+    than two such children (AlexNet: its weight is in three Linear layers) is none: the root alone."""
+    node, prefix = model, ""
+    while True:
+        total = _n_params(node)
+        big = next(((n, m) for n, m in node.named_children() if _n_params(m) > 0.9 * total
+                    and any(True for _ in m.children())), None)
+        if big is None:
+            break
+        prefix, node = f"{prefix}{big[0]}.", big[1]
+    units = [f"{prefix}{n}" for n, m in node.named_children() if _n_params(m) and any(True for _ in m.children())]
+    return units if len(units) >= 2 else []
+
+
+def _outermost(names: list[str]) -> list[str]:
+    return [n for n in names if not any(n.startswith(o + ".") for o in names)]
 
 
 def unit_names(model: nn.Module, patterns: list[str]) -> list[str]:
     """Names of the modules that become FSDP units before the root, innermost first (fully_shard
-    must see a nested unit before the one around it). ``[auto]``: ``auto_unit_types``, outermost
-    match only; else patterns of module names (fnmatch per dotted segment)."""
+    must see a nested unit before the one around it). ``[auto]``, outermost matches only: the classes a
+    Hugging Face model lists in ``_no_split_modules`` (its decoder layers) and ``auto_unit_types``;
+    where neither is found, ``stage_units``. Else patterns of module names (fnmatch per dotted
+    segment), each of which must match."""
     if list(patterns) == ["auto"]:
         types = auto_unit_types()
-        found = [n for n, m in model.named_modules() if n and isinstance(m, types)]
-        found = [n for n in found if not any(n.startswith(o + ".") for o in found)]
+        no_split = set(getattr(model, "_no_split_modules", None) or ())
+        found = _outermost([n for n, m in model.named_modules()
+                            if n and (isinstance(m, types) or type(m).__name__ in no_split)])
+        found = found or stage_units(model)
     else:
-        found = [n for n, m in model.named_modules() if n and any(_matches(n, p) for p in patterns)]
-        if not found:
-            raise MptrainError(f"parallel.shard={list(patterns)}: matches no module of {type(model).__name__} "
-                               f"(its children: {', '.join(n for n, _ in model.named_children())})")
+        names = [n for n, _ in model.named_modules() if n]
+        hits = {p: sum(matches_exactly(p, n) for n in names) for p in patterns}
+        check_all_match(f"parallel.shard_modules={list(patterns)}", patterns, hits, names, what="module")
+        found = [n for n in names if any(matches_exactly(p, n) for p in patterns)]
     return sorted(found, key=lambda n: -n.count("."))
 
 
@@ -188,7 +211,7 @@ class Fsdp2:
         replicate = int(cfg.replicate)
         if env.world_size % replicate:
             raise MptrainError(f"parallel.replicate={replicate}: must divide the world size ({env.world_size})")
-        self.patterns = list(cfg.shard)
+        self.patterns = list(cfg.shard_modules)
         self.reshard_after_forward = bool(cfg.reshard_after_forward)
         self.precision = precision
         self.policy = shard_policy(precision)
@@ -293,7 +316,7 @@ class Fsdp2:
         return {
             "mesh": {"shape": list(self.mesh.shape), "dim_names": list(self.mesh.mesh_dim_names or ())},
             "reshard_after_forward": self.reshard_after_forward,
-            "shard": self.patterns,
+            "shard_modules": self.patterns,
             "units": self.units,
             "fp32_units": self.fallback_units,
             "mixed_precision": self.policy.describe(self.precision.autocast_dtype),

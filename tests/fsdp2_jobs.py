@@ -121,7 +121,7 @@ def glue_worker(rank: int, init_file: str, out: str) -> None:
         return convert_to_float8_training(m, config=config)
 
     precision = Precision("fp8", "fp8", cpu, fp8="torchao", options={"recipe": "tensorwise"})
-    cfg = OmegaConf.create({"replicate": 1, "shard": ["0", "2"], "reshard_after_forward": True})
+    cfg = OmegaConf.create({"replicate": 1, "shard_modules": ["0", "2"], "reshard_after_forward": True})
     sharding = Fsdp2(cfg, cpu, distributed.env(), precision)
     models = {"float8_gather": sharding.shard("model", net(True)), "fp32_gather": net(False)}
     for name in ("0", "2"):

@@ -187,10 +187,24 @@ def test_kernel_time_counts_each_kernel_once():
     assert device_ms_per_step(table, steps=2) == 2.0
 
 
+@pytest.mark.parametrize("entry", ["torchvision:resnet18", "timm:test_resnet", "custom:torchvision.models.resnet18",
+                                   "hf_causal_lm:llama"])
+def test_a_cell_per_route_matches_the_bare_loop(tmp_path, entry):
+    """The brought models measure like the built-in ones: engine against the bare loop, the same losses."""
+    extra = ["model.config={hidden_size:32,intermediate_size:64,num_hidden_layers:2,num_attention_heads:4}",
+             "data.vocab_size=100", "data.bptt=16"] if entry.startswith("hf") else []
+    result = bench(tmp_path, "--models", entry, "--precisions", "fp32", "--steps", "1", "--window", "1",
+                   "--warmup", "2", *TINY, *extra)
+    (cell,) = result["cells"]
+    assert cell["model"] == entry and cell["overhead"] > 0
+    assert cell["losses"] == pytest.approx(cell["bare_losses"], rel=1e-6)
+
+
 def test_unknown_model_is_skipped_and_bad_input_is_one_line(tmp_path, capsys):
-    result = bench(tmp_path, "--models", "resnet50,no_such_model", "--precisions", "fp32", "--steps", "1",
-                   "--window", "1", "--warmup", "1", *TINY)
-    assert [s["model"] for s in result["skipped"]] == ["no_such_model"]
+    result = bench(tmp_path, "--models", "resnet50,no_such_model,torchvision:resnet181", "--precisions", "fp32",
+                   "--steps", "1", "--window", "1", "--warmup", "1", *TINY)
+    assert [s["model"] for s in result["skipped"]] == ["no_such_model", "torchvision:resnet181"]
+    assert result["skipped"][1]["reason"].startswith("model.arch=resnet181: not a torchvision classification model")
     assert [c["model"] for c in result["cells"]] == ["resnet50"]
     assert main(["--models", "resnet50", "--precisions", "fp64", *TINY]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -424,7 +424,7 @@ def test_build_precision_torchao_on_cpu_is_a_clean_error() -> None:
 
 
 def test_torchao_no_eligible_linear() -> None:
-    msg = r"no Linear layer has in/out features divisible by 16 \(found 0: 10x3\)"
+    msg = r"no Linear layer left by the plan has in/out features divisible by 16 \(found 0: 10x3\)"
     with pytest.raises(MptrainError, match=msg):
         _torchao_precision().prepare_model(nn.Sequential(nn.Linear(10, 3)))
 

@@ -62,6 +62,15 @@ OVERFLOW_STEPS = {1, 9}  # the fp16_master runs: an Inf in rank 1's shard of one
 # mxfp8 quantizes the same blocks either way (16-token rows, blocks of 32), but a weight that moved by
 # an ulp can cross an E4M3 rounding boundary, a step of 2^-3 relative in that element.
 TOLERANCE = {"fp32": 1e-5, "amp_bf16": 2e-4, "fp16_master": 1e-4, "mxfp8": 1e-3}
+# Brought models (tests/test_byo.py) under FSDP2: a tiny HF Llama in MXFP8, and timm's tiny ResNet.
+BYO = {
+    "hf": ["model=hf_causal_lm", "model.model_type=llama", "data.vocab_size=64", "data.bptt=16", "data.batch_size=4",
+           "data.train_tokens=2000", "data.val_tokens=400", "trainer.device=cpu", "precision=mx",
+           "model.config={hidden_size:32,intermediate_size:64,num_hidden_layers:2,num_attention_heads:4,"
+           "num_key_value_heads:2,max_position_embeddings:64}"],
+    "cnn": ["model=timm", "model.arch=test_resnet", "data.batch_size=4", "data.train_samples=32", "data.val_samples=8",
+            "data.num_classes=10", "data.num_workers=0", "trainer.device=cpu"],
+}
 
 
 def env() -> dict[str, str]:
@@ -183,7 +192,7 @@ def test_the_precision_plan_is_the_single_process_plan(runs):
     sharded = json.loads((runs["fsdp2/mxfp8"] / "summary.json").read_text())["precision_plan"]
     assert [(la["name"], la["format"], la["reason"]) for la in sharded["layers"]] == [
         (la["name"], la["format"], la["reason"]) for la in one["layers"]]
-    assert {la["format"] for la in one["layers"]} == {"mxfp8"}
+    assert {la["format"] for la in one["layers"] if la["kind"] == "linear"} == {"mxfp8"}  # every GEMM layer
     # FLOPs are counted on this rank's batch: half the rows.
     assert [2 * la["flops"] for la in sharded["layers"]] == [la["flops"] for la in one["layers"]]
 
@@ -202,7 +211,8 @@ def chain(runs: dict[str, Path]) -> dict[str, Path]:
     in the same launch, a ResNet whose ranks have unequal validation shards."""
     root = runs["root"] / "chain"
     base = [*SMALL, "precision=fp32"]
-    legs = {name: root / name for name in ("one_rank", "two", "ddp", "back", "resnet", "fp8", "bf16_pure", "hsdp")}
+    legs = {name: root / name for name in ("one_rank", "two", "ddp", "back", "resnet", "fp8", "bf16_pure", "hsdp",
+                                           *(f"{byo}{leg}" for byo in BYO for leg in ("", "_resumed")))}
     with one_rank():  # 2 -> 1: on one FSDP2 rank of 8 rows
         run_job(legs["one_rank"], *base, "parallel=fsdp2", "data.batch_size=8", "trainer.max_steps=13",
                 f"trainer.resume={runs['fsdp2/fp32'] / 'checkpoints' / 'step_00000010'}")
@@ -218,8 +228,28 @@ def chain(runs: dict[str, Path]) -> dict[str, Path]:
             *[(legs[mode], [*SMALL, f"precision={mode}", "parallel=fsdp2", "data.batch_size=4", "trainer.max_steps=3"])
               for mode in ("fp8", "bf16_pure")],
             (legs["hsdp"], [*base, "parallel=fsdp2", "parallel.replicate=2", "data.batch_size=4",
-                            "trainer.max_steps=3"])], root)
+                            "trainer.max_steps=3"]),
+            # Brought models: 4 sharded steps, and the same run resumed from its step 2.
+            *[job for byo, overrides in BYO.items() for job in (
+                (legs[byo], [*overrides, "parallel=fsdp2", "trainer.max_steps=4", "trainer.checkpoint_every=2",
+                             "trainer.log_every=1"]),
+                (legs[f"{byo}_resumed"], [*overrides, "parallel=fsdp2", "trainer.max_steps=4", "trainer.log_every=1",
+                                          f"trainer.resume={legs[byo] / 'checkpoints' / 'step_00000002'}"]))]], root)
     return legs
+
+
+def test_brought_models_shard_by_their_own_units_and_resume(chain):
+    """An HF causal LM (its decoder layers, from _no_split_modules) in MXFP8, and a timm CNN (its
+    top-level stages), on 2 gloo ranks: real sharded steps, and a resume from step 2 that continues
+    the uninterrupted curve exactly (the same ranks, data order and reduction order)."""
+    units = {"hf": ["model.layers.0", "model.layers.1", "<root>"],
+             "cnn": ["conv1", "layer1", "layer2", "layer3", "layer4", "<root>"]}  # test_resnet: a deep stem
+    for byo in BYO:
+        s = json.loads((chain[byo] / "summary.json").read_text())
+        assert s["status"] == "completed" and s["world_size"] == 2 and s["parallel"]["name"] == "fsdp2"
+        assert s["parallel"]["units"] == {"model": units[byo]}
+        whole, resumed = losses(chain[byo]), losses(chain[f"{byo}_resumed"])
+        assert sorted(resumed) == [3, 4] and all(resumed[k] == whole[k] for k in resumed), byo
 
 
 def test_checkpoints_reshard_across_world_sizes_and_layouts(runs, chain):
@@ -423,7 +453,8 @@ def test_units_follow_the_model_family_or_the_override():
     assert unit_names(model("model=lstm_lm_tiny"), ["auto"]) == ["lstm"]
     assert unit_names(model("model=alexnet", "model.width_divisor=8"), ["auto"]) == []  # the root alone
     assert unit_names(lm, ["blocks.*", "blocks.0.mlp"]) == ["blocks.0.mlp", "blocks.0", "blocks.1"]  # inner first
-    with pytest.raises(MptrainError, match=r"parallel.shard=\['head\*'\]: matches no module"):
+    with pytest.raises(MptrainError, match=r"parallel.shard_modules=\['head\*'\]: 'head\*' matches no module "
+                       "of the model; closest module names: lm_head"):
         unit_names(lm, ["head*"])
 
 

@@ -23,10 +23,10 @@ from mptrain.bench.data import make_jpeg_tree
 from mptrain.config import DataConfig
 from mptrain.data import ImageData, build_image_data
 from mptrain.data.feed import DeviceFeeder, JpegDecoder, collate_raw, collate_uint8
+from mptrain.data.loader import SeededItems
 from mptrain.data.vision import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    _SeededItems,
     image_folder_transforms_v2,
     read_image_uint8,
     read_jpeg_bytes,
@@ -139,7 +139,7 @@ def test_bytes_path_decodes_like_the_workers(tree: Path, tmp_path: Path) -> None
     assert read_jpeg_bytes(str(png)).shape == (3, 20, 30)
     train_tf, _ = image_folder_transforms_v2(24, augment=True)
     ds = datasets.ImageFolder(str(tree / "train"), transform=train_tf, loader=read_image_uint8)
-    seeded = _SeededItems(ds, seed=3)
+    seeded = SeededItems(ds, seed=3)
     keys = [(2, 5), (2, 0), (2, 7)]
     raw = collate_raw([(read_jpeg_bytes(ds.samples[i][0]), ds.samples[i][1], i) for _, i in keys]
                       + [(read_jpeg_bytes(str(png)), 0, 1)])

@@ -33,8 +33,9 @@ def _one_thread():
 
 
 def test_the_sizes_are_registered_language_models():
-    assert list_models(task="language_model") == ["lstm_lm", "lstm_lm_large", "lstm_lm_medium", "lstm_lm_tiny",
-                                                  "transformer_lm", "transformer_lm_large", "transformer_lm_tiny"]
+    assert list_models(task="language_model") == ["hf_causal_lm", "lstm_lm", "lstm_lm_large", "lstm_lm_medium",
+                                                  "lstm_lm_tiny", "transformer_lm", "transformer_lm_large",
+                                                  "transformer_lm_tiny"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "amp_bf16", "amp_fp16"])

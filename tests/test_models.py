@@ -1,4 +1,5 @@
-"""The model registry and the five ImageNet CNNs (tiny widths on CPU; full widths on the meta device)."""
+"""The model registry and the five ImageNet CNN presets over the torchvision route (tiny widths on CPU;
+full widths on the meta device). Other routes: tests/test_byo.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from mptrain.models import create_model, list_models
 from mptrain.models.vision import classifier_heads, narrow
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
-CLASSIFIERS = list_models(task="classification")
+# The presets: the model configs over the torchvision route that name their own arch.
+CLASSIFIERS = sorted(p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml")
+                     if "/schema/model/classifier" in p.read_text() and "\narch: " in p.read_text())
 NUM_CLASSES = 10
 BATCH = 2
 TINY = {"inception_v3": 16}  # the divisor used per model in the tiny tests; default 8
@@ -74,13 +77,13 @@ def outputs_of(out: torch.Tensor | tuple[torch.Tensor, ...]) -> list[torch.Tenso
 # registry
 
 
-def test_registry_lists_the_five_classifiers() -> None:
+def test_registry_lists_the_routes_and_the_presets_use_torchvision() -> None:
     assert CLASSIFIERS == ["alexnet", "googlenet", "inception_v3", "resnet50", "vgg16"]
     assert list_models() == sorted(list_models())
-    assert set(CLASSIFIERS) <= set(list_models())
-    # Every classifier has a config file (so model=NAME composes).
-    configs = {p.stem for p in (Path(CONFIG_DIR) / "model").glob("*.yaml")}
-    assert set(CLASSIFIERS) <= configs
+    assert list_models(task="classification") == ["timm", "torchvision"]
+    for name in CLASSIFIERS:  # each preset composes as the torchvision route with its own arch
+        cfg = model_cfg(name)
+        assert (cfg.route, cfg.arch, cfg.name) == ("torchvision", name, name)
 
 
 def test_register_model_tags_tasks_and_refuses_duplicates(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,12 +101,11 @@ def test_register_model_tags_tasks_and_refuses_duplicates(monkeypatch: pytest.Mo
 
 
 def test_unknown_model_name_is_a_user_error() -> None:
-    cfg = OmegaConf.structured(ClassifierModelConfig(name="resnet51"))
     with pytest.raises(MptrainError) as err:
-        create_model(cfg, NUM_CLASSES)
+        create_model(OmegaConf.create({"name": "resnet51"}), NUM_CLASSES)
     message = str(err.value)
     assert "model='resnet51': unknown; choose one of" in message
-    assert all(name in message for name in CLASSIFIERS)
+    assert all(name in message for name in ("torchvision", "timm", "custom", "hf_causal_lm"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,7 +156,8 @@ def test_tiny_model_is_the_real_architecture_narrowed(name: str) -> None:
     assert [(n, type(m)) for n, m in tiny_layers.items()] == [(n, type(m)) for n, m in full_layers.items()]
     convs = [n for n, m in full_layers.items() if isinstance(m, nn.Conv2d)]
     heads = classifier_heads(full)
-    assert len(heads) == (1 + 2 * cfg.aux_logits if name == "googlenet" else 1 + cfg.aux_logits)
+    aux = bool(cfg.aux_logits)
+    assert len(heads) == (1 + 2 * aux if name == "googlenet" else 1 + aux)
     for n, f in full_layers.items():
         t = tiny_layers[n]
         if isinstance(f, nn.Conv2d):
@@ -189,10 +192,14 @@ def test_without_aux_logits_train_mode_returns_a_tensor(name: str) -> None:
 
 @pytest.mark.parametrize("name", CLASSIFIERS)
 def test_dropout_comes_from_the_config(name: str) -> None:
+    if name == "resnet50":  # no dropout in ResNet: a value set is refused, not ignored
+        with pytest.raises(MptrainError, match=r"model\.dropout=0\.3: torchvision's resnet50 takes no dropout"):
+            create_model(tiny_cfg(name, "model.dropout=0.3"), NUM_CLASSES)
+        return
     model = create_model(tiny_cfg(name, "model.dropout=0.3"), NUM_CLASSES)
     # GoogLeNet's auxiliary heads keep the 0.7 of the original (and torchvision).
     ps = sorted({m.p for n, m in model.named_modules() if isinstance(m, nn.Dropout) and "aux" not in n})
-    assert ps == ([] if name == "resnet50" else [0.3])
+    assert ps == [0.3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,13 +243,13 @@ def test_width_divisor_that_does_not_divide_is_refused(name: str, divisor: int, 
 
 
 def test_width_divisor_below_one_is_refused() -> None:
-    cfg = OmegaConf.structured(ClassifierModelConfig(name="alexnet", width_divisor=0))
+    cfg = OmegaConf.structured(ClassifierModelConfig(name="alexnet", arch="alexnet", width_divisor=0))
     with pytest.raises(MptrainError, match=r"model\.width_divisor=0: must be an integer >= 1"):
         create_model(cfg, NUM_CLASSES)
 
 
 def test_aux_logits_on_a_model_without_aux_heads_is_refused() -> None:
-    cfg = OmegaConf.structured(ClassifierModelConfig(name="vgg16", aux_logits=True, width_divisor=8))
+    cfg = OmegaConf.structured(ClassifierModelConfig(name="vgg16", arch="vgg16", aux_logits=True, width_divisor=8))
     with pytest.raises(MptrainError, match=r"model\.aux_logits=true: vgg16 has no auxiliary"):
         create_model(cfg, NUM_CLASSES)
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mptrain.cli import compose
 from mptrain.config import validate
-from mptrain.numerics.plan import build_plan, layer_format
+from mptrain.numerics.plan import OUTSIDE, build_plan, layer_format
 
 
 class Mixed(nn.Module):
@@ -72,8 +72,10 @@ def test_torchao_plan_says_which_layers_it_left_and_why():
 def test_nvfp4_plan_keeps_the_last_layers_high_and_counts_the_rest(tmp_path):
     s = run_job(tmp_path, "model=transformer_lm_tiny", "precision=mx", "precision.format=nvfp4",
                 "data.batch_size=4", "trainer.max_steps=1")
-    layers = s["precision_plan"]["layers"]
+    layers = [layer for layer in s["precision_plan"]["layers"] if layer["kind"] == "linear"]
     assert layers[-1]["name"] == "lm_head" and layers[-1]["reason"].startswith("kept high: last layer")
+    # the head's weight is the token embedding's (tie_weights): the plan says so
+    assert layers[-1]["reason"].endswith("; weight tied to embed.wte")
     low = [layer for layer in layers if layer["low_precision"]]
     assert low and all(layer["format"] == "nvfp4" for layer in low)
     fraction = sum(layer["flops"] for layer in low) / s["precision_plan"]["total_flops"]
@@ -102,9 +104,13 @@ def test_half_precision_layers_are_labelled_by_their_dtype(tmp_path, precision, 
 def test_transformer_attention_gemms_count_as_not_converted(tmp_path):
     s = run_job(tmp_path, "model=transformer_lm_tiny", "precision=fp8", "data.batch_size=4", "trainer.max_steps=1")
     plan = s["precision_plan"]
-    linear = sum(layer["flops"] for layer in plan["layers"])
-    assert all(layer["kind"] == "linear" for layer in plan["layers"])
-    # SDPA's QK^T and AV are matmuls outside any nn.Linear: the share is below 1 by exactly them.
+    linear = sum(layer["flops"] for layer in plan["layers"] if layer["kind"] == "linear")
+    # What FP8 leaves high is listed, not dropped: the two embeddings, and SDPA's QK^T and AV as one
+    # row of matmuls outside any layer, which the low-precision share is below 1 by exactly.
+    others = {layer["name"]: layer for layer in plan["layers"] if layer["kind"] != "linear"}
+    assert set(others) == {"embed.wte", "embed.wpe", OUTSIDE}
+    assert others["embed.wte"]["reason"] == "kept high: a table lookup: no GEMM to quantize"
+    assert others[OUTSIDE]["flops"] == plan["total_flops"] - linear > 0
     fraction = plan["low_precision_flop_fraction"]
     assert fraction == pytest.approx(linear / plan["total_flops"]) and 0.5 < fraction < 1.0
 
@@ -170,7 +176,8 @@ def test_layers_kept_high_by_nvfp4_are_planned_in_the_dtype_they_compute_in(tmp_
     validate(cfg)
     engine = Engine(cfg, tmp_path)
     model = engine.task.modules["model"]
-    planned = {layer.name.removeprefix("model."): layer for layer in engine.plan.layers}
+    names = {name for name, _ in model.named_modules()}
+    planned = {layer.name: layer for layer in engine.plan.layers if layer.name in names}  # modules: not OUTSIDE
     seen: dict[str, torch.dtype] = {}
 
     def record(name: str):  # a hook that returns None leaves the output as it is
@@ -189,4 +196,4 @@ def test_layers_kept_high_by_nvfp4_are_planned_in_the_dtype_they_compute_in(tmp_
     short = {torch.float32: "fp32", torch.bfloat16: "bf16"}
     assert {name: planned[name].format for name in kept} == {name: short[seen[name]] for name in kept}
     want = "bf16" if "precision.autocast=bf16" in options else "fp32"
-    assert {planned[name].format for name in kept} == {want}
+    assert {planned[name].format for name in kept if planned[name].kind != "embedding"} == {want}

@@ -81,9 +81,30 @@ PRECISION_ALIASES = {
 }
 
 
+# --models entries ROUTE:NAME bring a model (README, "Bring your own model"): the key NAME sets.
+ROUTE_KEYS = {"torchvision": "arch", "timm": "arch", "hf_causal_lm": "model_type", "custom": "_target_"}
+# hf_causal_lm cells: a small decoder (a config type's defaults are its full size: 7B for llama),
+# unless an --override sets model.config.
+HF_BENCH_CONFIG = "model.config={hidden_size:256,intermediate_size:1024,num_hidden_layers:4,num_attention_heads:4}"
+
+
+def model_overrides(entry: str, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """A --models entry as overrides: a model config's name (resnet50), or ROUTE:NAME
+    (torchvision:resnet18, timm:convnext_atto, hf_causal_lm:llama, custom:torchvision.models.resnet18)."""
+    route, sep, name = entry.partition(":")
+    if not sep:
+        return [f"model={entry}"]
+    if route not in ROUTE_KEYS or not name:
+        raise MptrainError(f"--models {entry}: a route entry is ROUTE:NAME with ROUTE one of {', '.join(ROUTE_KEYS)}")
+    out = [f"model={route}", f"model.{ROUTE_KEYS[route]}={name}"]
+    if route == "hf_causal_lm" and not any(o.startswith("model.config=") for o in overrides):
+        out.append(HF_BENCH_CONFIG)
+    return out
+
+
 def base_overrides(model: str, precision: str, batch: int, args: argparse.Namespace) -> list[str]:
     chosen = PRECISION_ALIASES.get(precision, [f"precision={precision}"])
-    out = [f"model={model}", *chosen, f"data.batch_size={batch}"]
+    out = [*model_overrides(model, args.overrides), *chosen, f"data.batch_size={batch}"]
     if args.device != "auto":
         out.append(f"trainer.device={args.device}")
     return out
@@ -94,12 +115,12 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[Cell, DictConfig]], list[
 
     Returns (cells, skipped models with the reason, whether the telemetry key exists).
     """
-    from mptrain.cli import compose
+    from mptrain.cli import choices, compose
     from mptrain.config import register_configs, validate
-    from mptrain.models import list_models
 
     register_configs()
-    registered = list_models()
+    # The model configs; the routes need a NAME (ROUTE:NAME), so 'all' is the configs that name their model.
+    registered = [m for m in choices("model") if m not in ROUTE_KEYS]
     models = registered if args.models == "all" else parse_list(args.models)
     skipped: list[dict[str, str]] = []
     cells: list[tuple[Cell, DictConfig]] = []
@@ -111,11 +132,12 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[Cell, DictConfig]], list[
             raise MptrainError(f"--fast-paths {p}: unknown; choose from {', '.join(FAST_PATHS)}")
     total = args.warmup + args.steps + 8 + args.profile * 2  # every step either runner takes
     for model in models:
-        if model not in registered:
-            skipped.append({"model": model, "reason": "not registered in mptrain.models"})
+        if ":" not in model and model not in registered:
+            skipped.append({"model": model, "reason": "no such model config (configs/model)"})
             continue
         try:
-            probe = compose([f"model={model}", *args.overrides])
+            probe = compose([*model_overrides(model, args.overrides), *args.overrides])
+            validate(probe)  # an unknown arch or a missing extra: skipped with its one line
         except MptrainError as exc:
             skipped.append({"model": model, "reason": str(exc)})
             continue
@@ -127,7 +149,7 @@ def plan(args: argparse.Namespace) -> tuple[list[tuple[Cell, DictConfig]], list[
                 if task == "classification":
                     if args.image_size:
                         extra.append(f"data.image_size={args.image_size}")
-                    if args.width_divisor:
+                    if args.width_divisor and "width_divisor" in probe.model:  # the zoo routes narrow
                         extra.append(f"model.width_divisor={args.width_divisor}")
                     accum = int(probe.trainer.grad_accum)
                     extra.append(f"data.train_samples={max(1280, batch * accum * args.pool)}")
@@ -152,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mptrain-bench",
         description="Throughput, step time, peak memory and MFU of mptrain's engine against a bare "
                     "PyTorch loop, over a grid of models x precisions x batch sizes (synthetic data).")
-    p.add_argument("--models", default="resnet50", help="comma list of model names, or 'all' (default resnet50)")
+    p.add_argument("--models", default="resnet50",
+                   help="comma list of model configs or ROUTE:NAME entries (torchvision:resnet18, timm:convnext_atto, "
+                        "hf_causal_lm:llama, custom:pkg.module.fn), or 'all' (default resnet50)")
     p.add_argument("--precisions", default=None,
                    help="comma list (default: fp32,amp_bf16 on CPU; fp32,tf32,amp_fp16,amp_bf16,fp16_master on CUDA)")
     p.add_argument("--batch-sizes", default=None, help="comma list (default: 32 on CPU, 256 on CUDA)")

@@ -2,7 +2,8 @@
 
 Datasets (``data.name``): ``synthetic`` (made on the device), ``digits`` (scikit-learn's 8x8
 digits, held on the device), ``image_folder`` (ImageNet layout) and ``cifar10`` (the python
-batches), the last two through torchvision and a DataLoader.
+batches), the last two through torchvision and a DataLoader, and ``custom`` (the user's own
+datasets, :mod:`mptrain.data.custom`, through the same DataLoader and device feed).
 
 Every split is deterministic: an epoch's order depends only on (seed, epoch, rank), augmentation
 only on (seed, epoch, sample), so ``train_batches(epoch, start)`` resumes a run exactly. With
@@ -25,7 +26,7 @@ DATASETS = ("synthetic", "image_folder", "cifar10", "digits")
 def build_image_data(
     cfg: DictConfig,
     *,
-    image_size: int,
+    image_size: int | None,
     device: torch.device,
     seed: int,
     channels_last: bool = False,
@@ -34,12 +35,18 @@ def build_image_data(
 ) -> ImageData:
     """The ``data`` group's dataset, yielding batches on ``device``.
 
-    ``image_size`` is the engine's resolved size (``data.image_size`` is ignored here). Reads
+    ``image_size`` is the engine's resolved size (``data.image_size`` is ignored here; data=custom
+takes its items' size and ignores it). Reads
     ``data.name`` and ``data.batch_size`` / ``data.val_batch_size`` (null: batch_size) plus each
     dataset's keys, listed in its class docstring.
     """
     check_rank(rank, world_size)
-    if image_size < 8:
+    if cfg.name == "custom":  # the user's datasets: their items have their own size
+        from mptrain.data.custom import build_custom_image_data
+
+        return build_custom_image_data(cfg, device=device, seed=seed, channels_last=channels_last, rank=rank,
+                                       world_size=world_size)
+    if image_size is None or image_size < 8:
         raise MptrainError(f"image_size={image_size}: must be >= 8 px")
     device = torch.device(device)
     name = cfg.name

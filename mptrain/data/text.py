@@ -311,6 +311,11 @@ def build_text_data(
     vocab_size; synthetic_text also train_tokens, val_tokens, text_pattern; text_corpus also root.
     """
     name = str(cfg.name)
+    if name == "custom":  # the user's datasets of independent sequences (mptrain.data.custom)
+        from mptrain.data.custom import CustomTextData
+
+        return CustomTextData(cfg, device=torch.device(device), seed=seed, rank=rank,  # type: ignore[return-value]
+                              world_size=world_size)
     common: dict[str, Any] = {
         "batch_size": int(cfg.batch_size),
         "val_batch_size": int(cfg.val_batch_size or cfg.batch_size),

@@ -1,19 +1,34 @@
-"""The five ImageNet CNNs of Micikevicius et al. 2017 (Mixed Precision Training), from torchvision.
+"""Image classifiers from the zoos: ``model=torchvision`` and ``model=timm`` (``model.arch=NAME``).
 
-All are random init (``weights=None``; nothing is downloaded). ``model.width_divisor`` > 1 builds
-a tiny copy of the real architecture with every channel count divided (see :func:`narrow`), for
-fast CPU tests and smoke runs; 1 builds exactly torchvision's model.
+    mptrain model=torchvision model.arch=convnext_tiny precision=mx
+    mptrain model=timm model.arch=resnet50d model.kwargs={drop_path_rate:0.1}
+
+The five ImageNet CNNs of Micikevicius et al. 2017 (alexnet, vgg16, resnet50, googlenet,
+inception_v3) are presets over the torchvision route: configs/model/<name>.yaml set the arch and
+what the papers need (GoogLeNet's auxiliary heads, Inception's 299 px). One path for vision models.
+
+Every model is random init (``weights=None``, ``pretrained=False``: nothing is downloaded) with the
+data's class count. ``model.width_divisor`` > 1 builds a tiny copy of the real architecture with
+every channel count divided (see :func:`narrow`), for fast CPU tests and smoke runs.
+
+Image size: a null ``model.image_size`` is the architecture's canonical one (its weights' crop size
+in torchvision, its pretrained config's input size in timm); a null ``model.cpu_image_size`` is
+``model.image_size`` when set, else the smallest of a few sizes that a forward on the meta device
+accepts (``accepts``: free, nothing allocated). A size the architecture rejects fails the first batch,
+and ``explain_rejected_size`` turns that into one line with the sizes it does accept.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
 import torchvision.models as tvm
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from mptrain.errors import MptrainError, check
@@ -166,87 +181,198 @@ def narrow(
 
 
 # --------------------------------------------------------------------------------------------
-# builders
+# the routes
 
 
 def _build(factory: Callable[..., nn.Module], cfg: DictConfig, num_classes: int, **kwargs: Any) -> nn.Module:
-    """Build ``factory(weights=None, num_classes=..., **kwargs)``, narrowed by ``cfg.width_divisor``."""
+    """Build ``factory(num_classes=..., **kwargs)``, narrowed by ``cfg.width_divisor``."""
     check(num_classes >= 1, f"num_classes={num_classes}: must be >= 1")
-    divisor = cfg.width_divisor
+    divisor = cfg.get("width_divisor", 1)
     check(
         isinstance(divisor, int) and divisor >= 1, f"model.width_divisor={divisor}: must be an integer >= 1"
     )
     if divisor == 1:
-        return factory(weights=None, num_classes=num_classes, **kwargs)
+        return factory(num_classes=num_classes, **kwargs)
     # The full-width model only serves as a blueprint: build it on the meta device (no memory, no
     # init: VGG-16 alone would take seconds) and create the narrowed layers on the real device.
     target = torch.get_default_device()
     with torch.device("meta"):
-        model = factory(weights=None, num_classes=num_classes, **kwargs)
-    narrow(model, divisor, device=target)
+        model = factory(num_classes=num_classes, **kwargs)
+    try:
+        narrow(model, divisor, device=target)
+    except ValueError as exc:  # a layer type narrow() cannot resize: the architecture's, not a bug
+        raise MptrainError(f"model.width_divisor={divisor}: {cfg.arch} cannot be narrowed ({exc}); use 1") from exc
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left and target.type != "meta":  # a tensor narrow() did not rebuild would stay a meta placeholder
         raise RuntimeError(f"narrow left {', '.join(left)} on the meta device")
     return model
 
 
-def _no_aux(cfg: DictConfig) -> None:
-    check(
-        not cfg.aux_logits,
-        f"model.aux_logits=true: {cfg.name} has no auxiliary classifiers (googlenet and inception_v3 do)",
-    )
+def _kwargs(cfg: DictConfig) -> dict[str, Any]:
+    """``model.kwargs`` as a plain dict (a copy: the builders add their own defaults to it)."""
+    node = cfg.get("kwargs")
+    return dict(OmegaConf.to_container(node, resolve=True)) if node else {}  # type: ignore[arg-type]
 
 
-@register_model("alexnet", task=TASK)
-def alexnet(cfg: DictConfig, num_classes: int) -> nn.Module:
-    """AlexNet. Reads model.width_divisor, model.dropout, model.aux_logits (must be false)."""
-    _no_aux(cfg)
-    return _build(tvm.alexnet, cfg, num_classes, dropout=cfg.dropout)
+def _refused(cfg: DictConfig, zoo: str, kwargs: dict[str, Any], exc: TypeError) -> MptrainError:
+    """One line for constructor arguments the architecture does not take."""
+    if "aux_logits" in str(exc):
+        return MptrainError(f"model.aux_logits={str(cfg.aux_logits).lower()}: {cfg.arch} has no auxiliary "
+                            "classifiers (googlenet and inception_v3 do)")
+    if "'dropout'" in str(exc) and cfg.get("dropout") is not None:
+        return MptrainError(f"model.dropout={cfg.dropout}: {zoo}'s {cfg.arch} takes no dropout argument "
+                            "(leave model.dropout null)")
+    return MptrainError(f"model.kwargs={kwargs}: {zoo}'s {cfg.arch} does not take them ({exc})")
 
 
-@register_model("vgg16", task=TASK)
-def vgg16(cfg: DictConfig, num_classes: int) -> nn.Module:
-    """VGG-16 without batch norm (the paper's VGG-D). Reads model.width_divisor, model.dropout."""
-    _no_aux(cfg)
-    return _build(tvm.vgg16, cfg, num_classes, dropout=cfg.dropout)
+def _close(name: str, names: list[str]) -> str:
+    near = difflib.get_close_matches(name, names, n=5, cutoff=0.6)
+    return ", ".join(near) if near else ", ".join(names[:8]) + ", ..."
 
 
-@register_model("resnet50", task=TASK)
-def resnet50(cfg: DictConfig, num_classes: int) -> nn.Module:
-    """ResNet-50. Reads model.width_divisor; model.dropout is unused (ResNet has no dropout)."""
-    _no_aux(cfg)
-    return _build(tvm.resnet50, cfg, num_classes)
+def torchvision_names() -> list[str]:
+    """torchvision's classification architectures (``torchvision.models.list_models``)."""
+    return tvm.list_models(module=tvm)
 
 
-@register_model("googlenet", task=TASK)
-def googlenet(cfg: DictConfig, num_classes: int) -> nn.Module:
-    """GoogLeNet. Reads model.width_divisor, model.dropout (before fc), model.aux_logits.
-
-    With aux_logits, train mode returns ``GoogLeNetOutputs(logits, aux_logits2, aux_logits1)``;
-    eval mode always returns the logits tensor. The auxiliary heads keep torchvision's 0.7 dropout.
-    """
-    return _build(
-        tvm.googlenet,
-        cfg,
-        num_classes,
-        aux_logits=cfg.aux_logits,
-        init_weights=True,  # torchvision's truncated-normal init (and no scipy warning)
-        dropout=cfg.dropout,
-    )
+def check_torchvision(cfg: DictConfig) -> None:
+    """Before any work: ``model.arch`` is one of torchvision's classifiers."""
+    check(not OmegaConf.is_missing(cfg, "arch"),
+          "model=torchvision needs model.arch=NAME (torchvision.models.list_models(), e.g. resnet18, vit_b_16)")
+    names = torchvision_names()
+    arch = str(cfg.arch)
+    check(arch in names,
+          f"model.arch={arch}: not a torchvision classification model; close matches: {_close(arch, names)}")
 
 
-@register_model("inception_v3", task=TASK)
-def inception_v3(cfg: DictConfig, num_classes: int) -> nn.Module:
-    """Inception v3. Reads model.width_divisor, model.dropout (before fc), model.aux_logits.
+# The two with auxiliary heads; torchvision warns that they will change their default init, and the
+# papers' runs used this one
+_INIT_WEIGHTS = ("googlenet", "inception_v3")
 
-    With aux_logits, train mode returns ``InceptionOutputs(logits, aux_logits)``; eval mode the
-    logits tensor. The auxiliary head needs 299 px inputs (a 5x5 conv on a 5x5 map).
-    """
-    return _build(
-        tvm.inception_v3,
-        cfg,
-        num_classes,
-        aux_logits=cfg.aux_logits,
-        init_weights=True,
-        dropout=cfg.dropout,
-    )
+
+@register_model("torchvision", task=TASK, check=check_torchvision)
+def torchvision_model(cfg: DictConfig, num_classes: int) -> nn.Module:
+    """``torchvision.models.get_model(model.arch, weights=None, num_classes=..., **model.kwargs)``.
+    Reads model.arch, model.kwargs, model.width_divisor, and model.dropout and model.aux_logits when
+    set (null: the architecture's default). With aux_logits, GoogLeNet's and Inception v3's train mode
+    returns their auxiliary logits too; eval mode the logits tensor."""
+    kwargs = _kwargs(cfg)
+    if cfg.get("dropout") is not None:
+        kwargs.setdefault("dropout", float(cfg.dropout))
+    if cfg.get("aux_logits") is not None:
+        kwargs.setdefault("aux_logits", bool(cfg.aux_logits))
+    if cfg.arch in _INIT_WEIGHTS:
+        # Null aux_logits: the heads only when their loss counts (torchvision's default is always on).
+        kwargs.setdefault("aux_logits", float(cfg.get("aux_weight", 0.0)) > 0)
+        kwargs.setdefault("init_weights", True)  # torchvision's truncated-normal init (and no scipy warning)
+    try:
+        return _build(functools.partial(tvm.get_model, str(cfg.arch), weights=None), cfg, num_classes, **kwargs)
+    except TypeError as exc:
+        raise _refused(cfg, "torchvision", kwargs, exc) from exc
+
+
+def _timm() -> Any:
+    try:
+        import timm
+    except ImportError as exc:
+        raise MptrainError("model=timm needs the timm package: pip install 'mptrain[timm]'") from exc
+    return timm
+
+
+def check_timm(cfg: DictConfig) -> None:
+    """Before any work: timm is installed and ``model.arch`` is one of its models."""
+    timm = _timm()
+    check(not OmegaConf.is_missing(cfg, "arch"),
+          "model=timm needs model.arch=NAME (timm.list_models(), e.g. resnet50d, vit_small_patch16_224)")
+    check(timm.is_model(str(cfg.arch)),
+          f"model.arch={cfg.arch}: not a timm model; close matches: {_close(str(cfg.arch), timm.list_models())}")
+
+
+@register_model("timm", task=TASK, check=check_timm)
+def timm_model(cfg: DictConfig, num_classes: int) -> nn.Module:
+    """``timm.create_model(model.arch, pretrained=False, num_classes=..., **model.kwargs)``. Reads
+    model.arch, model.kwargs, model.width_divisor, and model.dropout when set (timm's drop_rate)."""
+    timm = _timm()
+    kwargs = _kwargs(cfg)
+    if cfg.get("dropout") is not None:
+        kwargs.setdefault("drop_rate", float(cfg.dropout))
+    check(not cfg.get("aux_logits"), f"model.aux_logits=true: model=timm has no auxiliary classifiers ({cfg.arch})")
+    try:
+        return _build(functools.partial(timm.create_model, str(cfg.arch), pretrained=False), cfg, num_classes,
+                      **kwargs)
+    except TypeError as exc:
+        raise _refused(cfg, "timm", kwargs, exc) from exc
+
+
+# --------------------------------------------------------------------------------------------
+# image sizes
+
+# What the CPU default is chosen from, smallest first: the first one a meta forward accepts.
+CANDIDATE_SIZES = (32, 64, 96, 128, 160, 192, 224, 256, 299, 320, 384, 448, 512)
+
+
+def _meta_model(cfg: DictConfig) -> nn.Module:
+    """The full-width architecture on the meta device (no memory), for shapes only."""
+    from mptrain.models import build_architecture
+
+    blueprint = cfg.copy()
+    with open_dict(blueprint):
+        blueprint.width_divisor = 1
+    with torch.device("meta"):
+        return build_architecture(blueprint, int(cfg.get("num_classes") or 10))
+
+
+def accepts(model: nn.Module, size: int) -> bool | None:
+    """Whether a train-mode forward of ``size`` x ``size`` images goes through (auxiliary heads
+    included), on a model built on the meta device; None where the meta device cannot tell (an op
+    without a meta kernel, a data-dependent branch)."""
+    try:
+        with torch.no_grad():
+            model.train()(torch.empty(2, 3, size, size, device="meta"))
+    except NotImplementedError:
+        return None
+    except Exception as exc:  # the architecture's own shape checks raise whatever they raise
+        return None if "meta" in str(exc) else False
+    return True
+
+
+def canonical_size(cfg: DictConfig) -> int:
+    """The architecture's own input size: model.kwargs' image_size / img_size, else its weights'
+    crop size (torchvision) or pretrained config's input size (timm), else 224."""
+    kwargs = cfg.get("kwargs") or {}
+    for key in ("image_size", "img_size"):
+        if isinstance(kwargs.get(key), int):
+            return int(kwargs[key])
+    route = cfg.get("route")
+    if route == "torchvision":
+        weights = tvm.get_model_weights(str(cfg.arch)).DEFAULT
+        return int(getattr(weights.transforms, "keywords", {}).get("crop_size", 224))
+    if route == "timm":
+        size = _timm().get_pretrained_cfg_value(str(cfg.arch), "input_size")
+        return int(size[-1]) if size else 224
+    return 224
+
+
+def image_size_for(cfg: DictConfig, device_type: str) -> int:
+    """The input size for a run on ``device_type`` when data.image_size is null (see the module docstring)."""
+    if device_type == "cuda":
+        return int(cfg.image_size or canonical_size(cfg))
+    if cfg.get("cpu_image_size") or cfg.get("image_size"):
+        return int(cfg.get("cpu_image_size") or cfg.image_size)
+    model = _meta_model(cfg)
+    return next((s for s in CANDIDATE_SIZES if accepts(model, s)), canonical_size(cfg))
+
+
+def explain_rejected_size(cfg: DictConfig, size: int, key: str, exc: Exception) -> MptrainError | None:
+    """One line for a first batch that failed because the architecture rejects ``size`` px (it
+    accepts other sizes on the meta device), or None when the size is not the cause."""
+    try:
+        model = _meta_model(cfg)
+        if accepts(model, size) is not False:
+            return None
+        ok = [s for s in (*CANDIDATE_SIZES, canonical_size(cfg)) if accepts(model, s)]
+    except Exception:  # the diagnosis must not hide the failure it explains
+        return None
+    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    sizes = ", ".join(str(s) for s in sorted(set(ok))[:6]) or "none of " + ", ".join(map(str, CANDIDATE_SIZES))
+    return MptrainError(f"{key}={size}: {cfg.name} rejects {size} px inputs ({first}); it accepts {sizes}")

@@ -2,13 +2,15 @@
 
 Options (``precision.*``, see configs/precision/mx.yaml): ``format`` (a key of BLOCK_FORMATS),
 ``stochastic_rounding`` (gradients), ``hadamard`` (random Hadamard transform on wgrad),
-``weight_2d_blocks``, ``keep_high`` (fnmatch patterns of layer names left in high precision),
-``keep_first`` / ``keep_last`` (that many GEMM layers at either end left high), ``pad_blocks``
-(zero-pad reduction dims that are not a multiple of the block, or leave such layers high),
-``emulated_compute`` (fp32 | bf16) and ``seed`` (the rounding and Hadamard streams). A null option
-takes the format's recipe default: for NVFP4, arXiv 2509.25149's recipe (stochastic rounding of
-gradients, RHT on wgrad, 16x16 weight tiles, the last ~15% of GEMM layers in high precision); for
-MX formats, the OCP spec's plain conversion (round-to-nearest, 1D blocks, every layer quantized).
+``weight_2d_blocks``, ``keep_high`` (fnmatch patterns of layer names left in high precision; a
+pattern naming a module covers the layers inside it), ``only`` (patterns: only these layers are
+converted; keep_high wins over it), ``keep_first`` / ``keep_last`` (that many GEMM layers at either
+end left high), ``pad_blocks`` (zero-pad reduction dims that are not a multiple of the block, or
+leave such layers high), ``emulated_compute`` (fp32 | bf16) and ``seed`` (the rounding and
+Hadamard streams). A null option takes the format's recipe default: for NVFP4, arXiv 2509.25149's
+recipe (stochastic rounding of gradients, RHT on wgrad, 16x16 weight tiles, the last ~15% of GEMM
+layers in high precision); for MX formats, the OCP spec's plain conversion (round-to-nearest, 1D
+blocks, every layer quantized). The patterns must each name a layer (``MxState.check_patterns``).
 
 Every GEMM-like layer of the model gets a ``LayerDecision`` (name, kind, format or ``high``, reason),
 kept on ``MxState.decisions`` in the model's definition order; "first" and "last" are in that
@@ -20,7 +22,6 @@ state that ``Precision`` keeps.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mptrain import patterns
 from mptrain.errors import MptrainError
 from mptrain.numerics import fused
 from mptrain.numerics.mx import BLOCK_FORMATS, BlockFormat
@@ -130,6 +132,17 @@ class MxConv2d(_MxMixin, nn.Conv2d):
         )
 
 
+def grouped_conv_reason(conv: nn.Conv2d) -> str:
+    """Why a grouped or depthwise convolution stays high: each group is a GEMM of its own over
+    C_in/groups channels (depthwise: one channel, a kxk filter), too short a reduction for a block
+    of 32 or 16; Transformer Engine and torchao's MX training leave them unquantized too."""
+    if conv.groups == conv.in_channels:
+        return (f"depthwise conv (groups={conv.groups}): a {conv.kernel_size[0]}x{conv.kernel_size[1]} filter per "
+                "channel, no GEMM for a block to span")
+    return (f"grouped conv (groups={conv.groups}): {conv.groups} GEMMs of {conv.in_channels // conv.groups} "
+            "channels each, not one GEMM")
+
+
 # Exact types: a subclass may have its own forward, which swapping the class would replace.
 MX_LAYERS: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: MxLinear, nn.Conv2d: MxConv2d}
 
@@ -143,6 +156,7 @@ class MxOptions:
     hadamard: bool
     weight_2d_blocks: bool
     keep_high: list[str]
+    only: list[str]  # empty: every layer the emulation covers
     keep_first: int
     keep_last: int | None  # None: the recipe's share of the model's GEMM layers
     pad_blocks: bool
@@ -174,14 +188,11 @@ class MxOptions:
         for key, v in (("keep_last", keep_last), ("keep_first", keep_first)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise MptrainError(f"precision.{key}={v!r}: must be an integer >= 0 (keep_last: or null)")
-        patterns = options.get("keep_high") or []
-        if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
-            raise MptrainError(
-                f"precision.keep_high={patterns!r}: must be a list of layer-name patterns, e.g. ['fc', 'layer4.*']"
-            )
+        keep_high = patterns.check_patterns("precision.keep_high", options.get("keep_high") or [])
+        only = patterns.check_patterns("precision.only", options.get("only") or [])
         return cls(
             format=fmt, stochastic_rounding=flag("stochastic_rounding", nv), hadamard=flag("hadamard", nv),
-            weight_2d_blocks=flag("weight_2d_blocks", nv), keep_high=list(patterns), keep_first=int(keep_first),
+            weight_2d_blocks=flag("weight_2d_blocks", nv), keep_high=keep_high, only=only, keep_first=int(keep_first),
             keep_last=None if keep_last is None else int(keep_last), pad_blocks=flag("pad_blocks", True),
             compute=compute, autocast=autocast, seed=int(options.get("seed", 0) or 0),
             graph_combo_kernels=flag("graph_combo_kernels", False),
@@ -211,6 +222,8 @@ class MxState:
     networks: dict[str, list[LayerDecision]] = field(default_factory=dict)
     models: list[nn.Module] = field(default_factory=list, repr=False)
     rng: RngStreams = field(default_factory=lambda: RngStreams(0), repr=False)
+    # precision.keep_high / precision.only held against every network's layers (check_patterns)
+    hits: patterns.PatternHits = field(default_factory=lambda: patterns.PatternHits({}), repr=False)
 
     def add(self, name: str, model: nn.Module, decisions: list[LayerDecision]) -> None:
         while name in self.networks:
@@ -237,18 +250,28 @@ class MxState:
     def after_step(self) -> None:
         """Nothing per step: masters stay FP32, and every quantization happens inside the GEMMs."""
 
+    def check_patterns(self) -> None:
+        """MptrainError for a keep_high or only pattern that named no layer of any network (once
+        every network of the task is converted: a GAN's pattern may name a layer of either)."""
+        self.hits.check()
+
 
 def _decide(
-    name: str, module: nn.Module, kind: str, index: int, n_gemm: int, opts: MxOptions, last: tuple[int, str]
+    name: str, module: nn.Module, kind: str, index: int, n_gemm: int, opts: MxOptions, last: tuple[int, str],
+    hits: patterns.PatternHits,
 ) -> tuple[str, str]:
-    """(format or "high", reason) for one GEMM layer; ``index`` counts GEMM layers from 0."""
+    """(format or "high", reason) for one GEMM layer; ``index`` counts GEMM layers from 0. The plan's
+    patterns are held against every GEMM layer, whatever else decides it (``hits`` counts them)."""
     fmt = opts.format
+    kept = hits.first("precision.keep_high", name)
+    listed = hits.first("precision.only", name)
     if type(module) not in MX_LAYERS:
         why = "a subclass with its own forward" if isinstance(module, tuple(MX_LAYERS)) else "no MX emulation for it"
         return "high", f"{kind}: {why}"
-    for pattern in opts.keep_high:
-        if fnmatch.fnmatchcase(name, pattern):
-            return "high", f"keep_high pattern {pattern!r}"
+    if kept is not None:
+        return "high", f"keep_high pattern {kept!r}"
+    if opts.only and listed is None:
+        return "high", "not named by precision.only"
     if index < opts.keep_first:
         return "high", f"first layer (keep_first={opts.keep_first})"
     k_last, why_last = last
@@ -256,7 +279,7 @@ def _decide(
         return "high", f"last layer ({why_last})"
     if isinstance(module, nn.Conv2d):
         if module.groups != 1:
-            return "high", f"grouped conv (groups={module.groups}): not one GEMM"
+            return "high", grouped_conv_reason(module)
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             return "high", f"padding={module.padding!r}, padding_mode={module.padding_mode}: only explicit zero padding"
         dims = {"C_in": module.in_channels, "C_out": module.out_channels}
@@ -293,13 +316,15 @@ def convert_model(
             format=opts.format.name,
             options={
                 "stochastic_rounding": opts.stochastic_rounding, "hadamard": opts.hadamard,
-                "weight_2d_blocks": opts.weight_2d_blocks, "keep_high": opts.keep_high,
+                "weight_2d_blocks": opts.weight_2d_blocks, "keep_high": opts.keep_high, "only": opts.only,
                 "keep_first": opts.keep_first, "keep_last": opts.keep_last, "pad_blocks": opts.pad_blocks,
                 "emulated_compute": opts.compute, "graph_combo_kernels": opts.graph_combo_kernels,
                 "graph_static_shapes": opts.graph_static_shapes,
             },
             rng=RngStreams(opts.seed),
+            hits=patterns.PatternHits({"precision.keep_high": opts.keep_high, "precision.only": opts.only}),
         )  # fmt: skip
+    state.hits.see(n for n, _ in model.named_modules())
     recipe = GemmRecipe(
         quantizer=BlockQuantizer(opts.format, stochastic_grads=opts.stochastic_rounding, rng=state.rng),
         compute_dtype=COMPUTE[opts.compute],
@@ -315,7 +340,7 @@ def convert_model(
     decisions = []
     devices: set[torch.device] = set()
     for i, (name, module, kind) in enumerate(gemms):
-        fmt, reason = _decide(name, module, kind, i, len(gemms), opts, last)
+        fmt, reason = _decide(name, module, kind, i, len(gemms), opts, last, state.hits)
         if fmt != "high":
             module.__class__ = MX_LAYERS[type(module)]
             module.mx_recipe, module.mx_format = recipe, fmt  # type: ignore[assignment]

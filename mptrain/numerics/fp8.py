@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mptrain import patterns
 from mptrain.errors import MptrainError
 from mptrain.numerics import formats as nf
 from mptrain.numerics import fused
@@ -444,6 +445,8 @@ class Fp8State:
     models: list[nn.Module] = field(default_factory=list, repr=False)
     networks: dict[str, list[str]] = field(default_factory=dict)  # network name -> its layers
     decisions: list[LayerDecision] = field(default_factory=list)  # every GEMM layer: format or high, and why
+    # precision.keep_high / precision.only held against every network's layers (check_patterns)
+    hits: patterns.PatternHits = field(default_factory=lambda: patterns.PatternHits({}), repr=False)
     _decisions: dict[str, list[LayerDecision]] = field(default_factory=dict, repr=False)
 
     def add(self, name: str, model: nn.Module, layers: list[str], decisions: list[LayerDecision] | None = None) -> None:
@@ -461,6 +464,10 @@ class Fp8State:
             list(layers) if len(self.networks) == 1
             else [f"{net}.{n}" if n else net for net, ls in self.networks.items() for n in ls]
         )  # fmt: skip
+
+    def check_patterns(self) -> None:
+        """MptrainError for a keep_high or only pattern that named no layer of any network."""
+        self.hits.check()
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -509,6 +516,22 @@ _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCALINGS = ("loss", "tensor", "rowwise")
 
 
+def _pattern_hits(options: Mapping[str, Any]) -> patterns.PatternHits:
+    return patterns.PatternHits({
+        "precision.keep_high": patterns.check_patterns("precision.keep_high", options.get("keep_high") or []),
+        "precision.only": patterns.check_patterns("precision.only", options.get("only") or []),
+    })
+
+
+def _plan_reason(kept: str | None, listed: str | None, hits: patterns.PatternHits) -> str | None:
+    """Why the plan's patterns keep a layer high (keep_high wins over only), or None."""
+    if kept is not None:
+        return f"keep_high pattern {kept!r}"
+    if hits.lists["precision.only"] and listed is None:
+        return "not named by precision.only"
+    return None
+
+
 def convert_model(
     model: nn.Module, options: Mapping[str, Any], state: Fp8State | None = None
 ) -> tuple[nn.Module, Fp8State]:
@@ -550,18 +573,27 @@ def convert_model(
     recipe = spec.gemm_recipe() if scaling == "rowwise" else None
     label = f"fp8_{fmt_name}"
 
+    hits = state.hits if state is not None else _pattern_hits(options)
+    hits.see(n for n, _ in model.named_modules())
     converted, decisions = [], []
     for name, module in model.named_modules():
         kind = gemm_kind(module)
+        if kind is None or any(name.startswith(d.name + ".") for d in decisions if d.name):
+            continue  # not a GEMM, or inside one decided already (MultiheadAttention's out_proj)
+        kept = hits.first("precision.keep_high", name)
+        listed = hits.first("precision.only", name)
         cls = _EMULATED.get(type(module))
         if cls is None or (recipe is not None and cls is Fp8ConvTranspose2d):
-            if kind is not None and not any(name.startswith(d.name + ".") for d in decisions if d.name):
-                why = (
-                    "no row-wise emulation for ConvTranspose2d" if cls is not None
-                    else "a subclass with its own forward" if isinstance(module, tuple(_EMULATED))
-                    else f"no FP8 emulation for {type(module).__name__}"
-                )  # fmt: skip
-                decisions.append(LayerDecision(name, kind, "high", why))
+            why = (
+                "no row-wise emulation for ConvTranspose2d" if cls is not None
+                else "a subclass with its own forward" if isinstance(module, tuple(_EMULATED))
+                else f"no FP8 emulation for {type(module).__name__}"
+            )  # fmt: skip
+            decisions.append(LayerDecision(name, kind, "high", why))
+            continue
+        plan_why = _plan_reason(kept, listed, hits)
+        if plan_why is not None:
+            decisions.append(LayerDecision(name, kind, "high", plan_why))
             continue
         # Swapping the class keeps the very same parameters, names, hooks and device.
         module.__class__ = cls
@@ -569,7 +601,7 @@ def convert_model(
         if recipe is not None:
             module.fp8_recipe = recipe  # type: ignore[assignment]
         converted.append(name)
-        decisions.append(LayerDecision(name, kind or type(module).__name__.lower(), label, f"scaling={scaling}"))
+        decisions.append(LayerDecision(name, kind, label, f"scaling={scaling}"))
     tag(model, decisions)
     if not converted:
         log.warning(
@@ -579,7 +611,7 @@ def convert_model(
     if state is None:
         state = Fp8State(
             backend="emulated", format=fmt_name, scaling=scaling, master_weights=masters,
-            stochastic_rounding=stochastic, rng=rng,
+            stochastic_rounding=stochastic, rng=rng, hits=hits,
         )  # fmt: skip
     state.add(type(model).__name__, model, converted, decisions)
     if masters == "fp16":
@@ -616,11 +648,20 @@ def _convert_torchao(
     """torchao ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name``
     (``precision.recipe``), skipping Linear layers whose in/out features are not divisible by 16."""
     recipe = str(options.get("recipe", "tensorwise"))
+    hits = state.hits if state is not None else _pattern_hits(options)
+    hits.see(n for n, _ in model.named_modules())
+    plan_why: dict[str, str] = {}
+    for n, m in model.named_modules():
+        if gemm_kind(m) is not None:
+            why = _plan_reason(hits.first("precision.keep_high", n), hits.first("precision.only", n), hits)
+            if why is not None:
+                plan_why[n] = why
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not any(_fp8_eligible(m) for _, m in linears):
-        found = ", ".join(f"{n or '<root>'}: {m.in_features}x{m.out_features}" for n, m in linears)
+    if not any(_fp8_eligible(m) for n, m in linears if n not in plan_why):
+        found = ", ".join(f"{n or '<root>'}: {m.in_features}x{m.out_features}" for n, m in linears
+                          if n not in plan_why)
         raise MptrainError(
-            "precision.backend=torchao: no Linear layer has in/out features divisible by 16 "
+            "precision.backend=torchao: no Linear layer left by the plan has in/out features divisible by 16 "
             f"(found {found or 'no Linear layers'})"
         )
     try:
@@ -631,7 +672,8 @@ def _convert_torchao(
         ) from exc
 
     def module_filter_fn(module: nn.Module, fqn: str) -> bool:
-        return not isinstance(module, nn.Linear) or _fp8_eligible(module)
+        # torchao's only-list hook: the plan's patterns, then float8's shape rule
+        return fqn not in plan_why and (not isinstance(module, nn.Linear) or _fp8_eligible(module))
 
     # The weight-gradient GEMM contracts over the batch (tokens), which torch._scaled_mm needs
     # divisible by 16 like the feature dims: pad_inner_dim zero-pads it, so any batch size trains.
@@ -643,12 +685,12 @@ def _convert_torchao(
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     decisions = [
         LayerDecision(n, kind or "linear", f"torchao_{recipe}", "Float8Linear") if n in converted
-        else LayerDecision(n, kind, "high", _torchao_reason(m))
+        else LayerDecision(n, kind, "high", plan_why.get(n) or _torchao_reason(m))
         for n, m in model.named_modules() if (kind := gemm_kind(m)) is not None or n in converted
     ]  # fmt: skip
     tag(model, decisions)
     if state is None:
-        state = Fp8State(backend="torchao", recipe=recipe)
+        state = Fp8State(backend="torchao", recipe=recipe, hits=hits)
     state.add(type(model).__name__, model, converted, decisions)
     log.info("fp8 torchao (%s): %d Linear layers converted: %s", recipe, len(converted), ", ".join(converted))
     return model, state

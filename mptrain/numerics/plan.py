@@ -15,7 +15,7 @@ denominator is every matmul and convolution of the forward pass as ``FlopCounter
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +25,8 @@ from torch import Tensor, nn
 from mptrain.numerics.convert import gemm_kind
 
 # The layers whose FLOPs the plan counts (``_forward_flops``); their kind is the converters' own.
-GEMM_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.LSTM)
+GEMM_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.LSTM,
+                                           nn.MultiheadAttention)
 
 
 @dataclass
@@ -56,14 +57,21 @@ class PrecisionPlan:
         }
 
 
+def _inner(module: nn.Module) -> nn.Module:
+    """The network inside DDP's and torch.compile's wrappers."""
+    inner = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+    return getattr(inner, "_orig_mod", inner)
+
+
 def gemm_layers(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module]]:
-    """Every GEMM layer of the task's networks, named ``network.layer`` when there are several."""
+    """Every GEMM layer of the task's networks, named ``network.layer`` when there are several; a
+    layer inside another (MultiheadAttention's out_proj) belongs to it, as the converters decide."""
     out = []
     for net, module in modules.items():
-        inner = getattr(module, "module", module)  # DDP
-        inner = getattr(inner, "_orig_mod", inner)  # torch.compile's wrapper
-        for name, m in inner.named_modules():
-            if isinstance(m, GEMM_TYPES):
+        found = [(name, m) for name, m in _inner(module).named_modules() if isinstance(m, GEMM_TYPES)]
+        parents = [name for name, m in found if isinstance(m, nn.MultiheadAttention)]
+        for name, m in found:
+            if not any(name.startswith(p + ".") for p in parents):
                 out.append((f"{net}.{name}" if len(modules) > 1 else name, m))
     return out
 
@@ -122,24 +130,55 @@ def flop_counter() -> Any:
     return FlopCounterMode(display=False, custom_mapping=mapping)
 
 
+def uncovered_layers(modules: dict[str, nn.Module]) -> list[tuple[str, nn.Module, str, str]]:
+    """What a converter leaves high that is not a GEMM layer: (name, module, kind, reason) of every
+    embedding, and of every leaf module with a ``weight`` matrix that is no layer type mptrain knows
+    (transformers' GPT-2 ``Conv1D``, a user's own matmul layer). Listed in an emulated mode's plan so
+    that nothing the emulation skips is dropped silently."""
+    out = []
+    gemm_ids = {id(m) for _, m in gemm_layers(modules)}
+    for net, module in modules.items():
+        for name, m in _inner(module).named_modules():
+            full = f"{net}.{name}" if len(modules) > 1 else name
+            if isinstance(m, nn.Embedding | nn.EmbeddingBag):
+                out.append((full, m, "embedding", "a table lookup: no GEMM to quantize"))
+            elif id(m) in gemm_ids or gemm_kind(m) is not None or next(m.children(), None) is not None:
+                continue
+            elif isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() >= 2:
+                kind = type(m).__name__
+                out.append((full, m, kind.lower(), f"{kind}: a layer type no converter knows; computes as it is"))
+    return out
+
+
 @torch.no_grad()
-def measure(modules: dict[str, nn.Module], forward: Callable[[], Any]) -> tuple[dict[int, int], int]:
+def measure(modules: dict[str, nn.Module], forward: Callable[[], Any],
+            extra: Sequence[nn.Module] = ()) -> tuple[dict[int, int], int]:
     """Run ``forward`` once with hooks on every GEMM layer: (FLOPs by id(module), total FLOPs).
+    ``extra``: modules whose FLOPs are what the counter saw while they ran (layers without a formula).
 
     Eager (a compiled module runs uncompiled here, so its hooks fire and nothing recompiles), in
     eval mode (no dropout draws), and under the caller's RNG: ``fork_rng`` keeps the run's stream.
     """
     flops: dict[int, int] = {}
+    counter = flop_counter()
+    entered: dict[int, int] = {}
 
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         out = output[0] if isinstance(output, tuple) else output  # an LSTM returns (out, state)
         if args and isinstance(args[0], Tensor) and isinstance(out, Tensor):
             flops[id(module)] = flops.get(id(module), 0) + _forward_flops(module, args[0], out)
 
+    def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+        entered[id(module)] = int(counter.get_total_flops())
+
+    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        flops[id(module)] = flops.get(id(module), 0) + int(counter.get_total_flops()) - entered.pop(id(module))
+
     layers = gemm_layers(modules)
-    handles = [m.register_forward_hook(hook) for _, m in layers]
+    handles = [m.register_forward_hook(hook) for _, m in layers if not isinstance(m, nn.MultiheadAttention)]
+    for m in [*extra, *(m for _, m in layers if isinstance(m, nn.MultiheadAttention))]:
+        handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
     was_training = {name: m.training for name, m in modules.items()}
-    counter = flop_counter()
     try:
         for m in modules.values():
             m.eval()
@@ -169,14 +208,40 @@ def layer_format(module: nn.Module, default: tuple[str, str]) -> tuple[str, str,
     return decision.format, decision.reason, True
 
 
-def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], default: tuple[str, str]) -> PrecisionPlan:
+_SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+OUTSIDE = "<outside layers>"  # the plan row of the matmuls no layer holds
+
+
+def build_plan(modules: dict[str, nn.Module], forward: Callable[[], Any], default: tuple[str, str],
+               uncovered: bool = False) -> PrecisionPlan:
     """The plan of the task's networks after the precision prepared them. ``default``: (format,
-    reason) of a layer the mode computes in its own dtype (e.g. ("bf16", "autocast"))."""
-    flops, total = measure(modules, forward)
+    reason) of a layer the mode computes in its own dtype (e.g. ("bf16", "autocast")).
+
+    ``uncovered`` (the emulated and FP8 modes, which convert some layer types only): the plan also
+    lists what they leave high that is not a GEMM layer (``uncovered_layers``), and one row for the
+    matmuls that run outside any layer (attention's QK^T and AV), so that nothing is dropped
+    silently. A GEMM layer whose weight is an embedding's (a tied LM head) says so."""
+    others = uncovered_layers(modules) if uncovered else []
+    flops, total = measure(modules, forward, [m for _, m, _, _ in others])
+    tied = {id(m.weight): name for name, m, kind, _ in others if kind == "embedding"}
     layers = []
     for name, m in gemm_layers(modules):
         fmt, reason, low = layer_format(m, default)
+        if id(getattr(m, "weight", None)) in tied:
+            reason += f"; weight tied to {tied[id(m.weight)]}"
         layers.append(LayerPlan(name, gemm_kind(m) or "", fmt, reason, flops.get(id(m), 0), low))
+    if uncovered:
+        inside = {id(m) for _, m in gemm_layers(modules)}
+        for name, m, kind, reason in others:
+            # a layer's FLOPs less those of the GEMM layers inside it (counted in their own rows)
+            own = flops.get(id(m), 0) - sum(flops.get(id(c), 0) for c in m.modules() if id(c) in inside)
+            # a lookup returns its table's values: the weight's dtype, whatever the autocast
+            fmt = _SHORT.get(m.weight.dtype, str(m.weight.dtype)) if kind == "embedding" else default[0]
+            layers.append(LayerPlan(name, kind, fmt, f"kept high: {reason}", max(own, 0), False))
+        outside = total - sum(layer.flops for layer in layers)
+        if outside > 0:
+            layers.append(LayerPlan(OUTSIDE, "matmul", default[0], "kept high: matmuls outside any layer "
+                                    "(attention's QK^T and AV, functional GEMMs): nothing to convert", outside))
     return PrecisionPlan(layers, max(total, sum(layer.flops for layer in layers)))
 
 

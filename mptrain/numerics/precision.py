@@ -191,6 +191,13 @@ class Precision:
         )
         return [{**g, "params": [master.swap(p) for p in g["params"]]} for g in groups], master
 
+    def check_patterns(self) -> None:
+        """Once every network is converted: MptrainError for a ``precision.keep_high`` or
+        ``precision.only`` pattern that named no layer (a typo would otherwise keep nothing high)."""
+        for state in (self.fp8_state, self.mx_state):
+            if state is not None:
+                state.check_patterns()
+
     def after_step(self) -> None:
         """Per-step work of the precision itself, after every optimizer step (FP8 master rounding)."""
         for state in (self.fp8_state, self.mx_state):

@@ -1,4 +1,5 @@
-"""Image classification: the ImageNet CNNs of Micikevicius et al. 2017."""
+"""Image classification: the ImageNet CNNs of Micikevicius et al. 2017, any torchvision or timm
+classifier, and any model that maps (N, 3, H, W) images to (N, num_classes) logits (``model=custom``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import Tensor
 
 from mptrain import distributed
 from mptrain.data import build_image_data
+from mptrain.errors import MptrainError
 from mptrain.models import create_model
 from mptrain.numerics.precision import Precision
 from mptrain.tasks import Objective, Task
@@ -29,8 +31,11 @@ class ClassificationTask(Task):
     primary_metric = "top1"
 
     def __init__(self, cfg: DictConfig, device: torch.device, precision: Precision, image_size: int | None):
-        assert image_size is not None
         self.device = device
+        self.model_cfg = cfg.model
+        # The key that set this run's size, for the one line a rejected size gets.
+        self.size_key = "data.image_size" if cfg.data.image_size else \
+            ("model.image_size" if device.type == "cuda" else "model.cpu_image_size")
         self.precision = precision
         self.data = build_image_data(
             cfg.data,
@@ -41,8 +46,10 @@ class ClassificationTask(Task):
             rank=distributed.env().rank,
             world_size=distributed.env().world_size,
         )
+        self.image_size = self.data.image_size  # data=custom: its items' size
         num_classes = cfg.model.num_classes or self.data.num_classes
         self.num_classes = num_classes
+        self._checked = False  # the first batch's forward is checked against the contract
         self.aux_weight = float(cfg.model.get("aux_weight", 0.0))
         model = create_model(cfg.model, num_classes).to(device)
         if cfg.trainer.channels_last:
@@ -61,7 +68,7 @@ class ClassificationTask(Task):
 
     def loss(self, objective: Objective, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         images, labels = batch
-        out = self.modules["model"](self.precision.input_cast(images))
+        out = self._forward(images) if not self._checked else self.modules["model"](self.precision.input_cast(images))
         # Softmax and its sum are reductions: always FP32 (autocast does this too; fp16_master and
         # bf16_pure models emit half logits, so upcast explicitly).
         if isinstance(out, tuple):  # GoogLeNetOutputs / InceptionOutputs in train mode
@@ -85,7 +92,7 @@ class ClassificationTask(Task):
         for images, labels in self.data.val_batches():
             with precision.autocast():
                 logits = model(precision.input_cast(images))
-            logits = logits.float()
+            logits = (logits[0] if isinstance(logits, tuple) else logits).float()
             loss_sum += F.cross_entropy(logits, labels, reduction="sum")
             topk = logits.topk(k, dim=1).indices
             hits = topk.eq(labels[:, None])
@@ -98,6 +105,30 @@ class ClassificationTask(Task):
         c1, c5, ls, seen = distributed.all_reduce(totals, "sum").tolist()
         seen = max(seen, 1)
         return {"top1": 100.0 * c1 / seen, "top5": 100.0 * c5 / seen, "loss": ls / seen}
+
+    def _forward(self, images: Tensor) -> Any:
+        """The first batch's forward, checked: a size the architecture rejects, or logits that are not
+        (N, num_classes), is one line (expected and got) instead of a traceback from deep in the model."""
+        try:
+            out = self.modules["model"](self.precision.input_cast(images))
+        except (RuntimeError, ValueError, AssertionError, TypeError) as exc:
+            explained = None
+            if self.model_cfg.get("route") in ("torchvision", "timm"):
+                from mptrain.models.vision import explain_rejected_size
+
+                explained = explain_rejected_size(self.model_cfg, int(images.shape[-1]), self.size_key, exc)
+            if explained is None:
+                raise
+            raise explained from exc
+        logits = out[0] if isinstance(out, tuple) else out
+        n = images.shape[0]
+        if not (isinstance(logits, Tensor) and tuple(logits.shape) == (n, self.num_classes)):
+            got = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise MptrainError(f"model={self.model_cfg.name}: a classifier maps (N, 3, H, W) images to "
+                               f"(N, num_classes) logits; for images {tuple(images.shape)} it returned {got}, "
+                               f"expected ({n}, {self.num_classes})")
+        self._checked = True
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {"num_classes": self.num_classes, "data": self.data.describe()}

@@ -1,6 +1,7 @@
-"""Word-level language modeling: the LSTMs of Micikevicius et al. 2017 (bigLSTM) and a GPT-style transformer.
+"""Language modeling: the LSTMs of Micikevicius et al. 2017 (bigLSTM), a GPT-style transformer, and any
+model that maps (N, T) tokens to (N, T, V) logits (Hugging Face causal LMs, ``model=custom``).
 
-A model says whether it carries state between batches (``model.stateful``). A stateful model (the
+A model says whether it carries state between batches (a ``stateful`` attribute; absent: no). A stateful model (the
 LSTM) trains with truncated BPTT: its hidden state is carried from one batch to the next (row r of
 batch i + 1 continues row r of batch i, see :mod:`mptrain.data.text`) and detached, so gradients
 flow through ``data.bptt`` steps only. It is reset at the start of every epoch and saved in the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
-from torch import Tensor
+from torch import Tensor, nn
 
 from mptrain import distributed
 from mptrain.data.text import TextBatch, build_text_data
@@ -37,6 +38,21 @@ Hidden = tuple[Tensor, Tensor]
 
 def _detach(hidden: Hidden) -> Hidden:
     return (hidden[0].detach(), hidden[1].detach())
+
+
+def logits_of(out: Any) -> Any:
+    """A forward's logits: the tensor itself, or the ``.logits`` of a Hugging Face model's output."""
+    return getattr(out, "logits", out)
+
+
+def tied_head(model: nn.Module) -> bool:
+    """Whether an output Linear shares its weight with an Embedding (a tied softmax), however the
+    model ties it (mptrain's ``tie_weights``, transformers' ``tie_word_embeddings``). The LSTM reads
+    its embedding through ``F.linear`` and has no head Linear, so its own ``tied`` flag counts too."""
+    if getattr(model, "tied", False):
+        return True
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return any(id(m.weight) in embeddings for m in model.modules() if isinstance(m, nn.Linear))
 
 
 class LanguageModelTask(Task):
@@ -60,14 +76,17 @@ class LanguageModelTask(Task):
             cfg.data, device=device, seed=cfg.trainer.seed, rank=env.rank, world_size=env.world_size
         )
         self.vocab_size = self.data.vocab_size
+        self.model_name = str(cfg.model.name)
         model = create_model(cfg.model, self.vocab_size).to(device)
         self.modules = {"model": model}
         self.objectives = [Objective("model", "model")]
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.tied = bool(cfg.model.tie_weights)
-        # Read once from the bare module: the engine may wrap it later (DDP, compile, adaptive).
-        self.stateful = bool(getattr(model, "stateful", True))
+        self.tied = tied_head(model)
+        # Read once from the bare module: the engine may wrap it later (DDP, compile, adaptive). Only
+        # mptrain's LSTM says it is stateful; any other model is called as model(tokens).
+        self.stateful = bool(getattr(model, "stateful", False))
         self._hidden: Hidden | None = None
+        self._checked = False  # the first batch's output is checked against the contract
 
     def steps_per_epoch(self) -> int:
         return self.data.steps_per_epoch()
@@ -89,7 +108,7 @@ class LanguageModelTask(Task):
             # Truncated BPTT: the next batch starts from this state, but no gradient flows back into it.
             self._hidden = _detach(hidden)
         else:
-            logits = self.modules["model"](inputs)
+            logits = self._logits(self.modules["model"](inputs), inputs)
         # The softmax and its sum over the vocabulary are reductions: FP32 whatever the logits are.
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, {"ppl": loss.detach().exp()}
@@ -110,7 +129,7 @@ class LanguageModelTask(Task):
                 if self.stateful:
                     logits, hidden = model(inputs, hidden)
                 else:
-                    logits = model(inputs)
+                    logits = logits_of(model(inputs))
             loss_sum += F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
             tokens += targets.numel()
         model.train(was_training)
@@ -119,6 +138,22 @@ class LanguageModelTask(Task):
         total_loss, total_tokens = distributed.all_reduce(totals, "sum").tolist()
         loss = total_loss / max(total_tokens, 1)
         return {"loss": loss, "ppl": math.exp(loss) if loss < 700 else math.inf}
+
+    def _logits(self, out: Any, inputs: Tensor) -> Tensor:
+        """The logits of a forward's output; on the first batch, checked against the contract:
+        (N, T) tokens -> (N, T, V) with V at least the vocabulary (one line naming both shapes)."""
+        logits = logits_of(out)
+        if not self._checked:
+            n, t = inputs.shape
+            ok = isinstance(logits, Tensor) and logits.dim() == 3 and tuple(logits.shape[:2]) == (n, t) \
+                and logits.shape[2] >= self.vocab_size and logits.is_floating_point()
+            got = f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, Tensor) else type(logits).__name__
+            if not ok:
+                raise MptrainError(f"model={self.model_name}: a language model maps (N, T) tokens to (N, T, V) "
+                                   f"logits; for tokens ({n}, {t}) it returned {got}, expected ({n}, {t}, "
+                                   f">= {self.vocab_size})")
+            self._checked = True
+        return logits
 
     def describe(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "tied_softmax": self.tied, "parameters": self.num_params,
