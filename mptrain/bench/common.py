@@ -12,6 +12,7 @@ import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +31,22 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or "cpu"
 
 
+def code_commit() -> str | None:
+    """The commit of the mptrain checkout that runs (``-dirty`` with uncommitted changes to it), or
+    None outside a git checkout (an installed wheel): a figure names the code that measured it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "mptrain"],
+                                 capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if changed else "")
+
+
 def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]:
     from mptrain.engine import versions
 
@@ -38,6 +55,7 @@ def stamp(device: torch.device, argv: list[str], threads: int) -> dict[str, Any]
         "device_name": device_name(device),
         "versions": versions(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": code_commit(),
         "command": shlex.join(["mptrain-bench", *argv]),
         "torch_threads": threads,
         "cpu_count": os.cpu_count(),

@@ -138,7 +138,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"- date: {meta['date']}; torch threads {meta['torch_threads']} of {meta['cpu_count']} CPUs; "
         f"load average (1/5/15 min) at start {_loads(meta.get('load_average_start'))}, "
         f"at end {_loads(meta.get('load_average_end'))}",
-        f"- command: `{meta['command']}`",
+        f"- command: `{meta['command']}`" + (f" at commit {meta['commit']}" if meta.get("commit") else ""),
         f"- clock: {meta['clock']}",
         f"- method: {meta['method']}",
     ]
