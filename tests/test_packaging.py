@@ -78,3 +78,37 @@ def test_the_minimum_torch_is_the_one_readme_installs_and_ci_tests():
     assert f'pip install ".[test]" {pins}' in (ROOT / "README.md").read_text()
     assert f"run min_torch {pins}" in (ROOT / ".ci" / "run").read_text()
     assert "run latest_torch\n" in (ROOT / ".ci" / "run").read_text()
+
+
+def _requirement(spec: str) -> tuple[str, str]:
+    """(name, version specifier) of a PEP 508 requirement string, extras and markers aside."""
+    from packaging.requirements import Requirement
+
+    req = Requirement(spec)
+    return req.name, str(req.specifier)
+
+
+def test_the_dockerfile_installs_what_pyproject_requires():
+    """The image's torch and torchvision pins, its Python and its extras, parsed from both files: a
+    base image with an older torch (the Dockerfile once pinned 2.7.1 against torch>=2.11) fails."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needs = dict(_requirement(r) for r in project["dependencies"])
+    docker = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^FROM python:(\d+\.\d+)", docker, re.M)
+    assert base, "the Dockerfile's base is not a python:X.Y image (the torch it brings is not checked)"
+    assert SpecifierSet(project["requires-python"]).contains(base.group(1) + ".0")
+    install = next(line for line in docker.splitlines() if line.startswith("RUN pip install"))
+    args = re.findall(r'"([^"]+)"', install)
+    pins = dict(_requirement(a) for a in args if not a.startswith("."))
+    for name in ("torch", "torchvision"):
+        pinned = re.fullmatch(r"==(\d+\.\d+)\.\*", pins.get(name, ""))
+        assert pinned, f"the Dockerfile does not pin {name}==X.Y.*: {pins.get(name)!r}"
+        assert SpecifierSet(needs[name]).contains(Version(pinned.group(1) + ".0")), (name, pinned.group(0), needs[name])
+    local = next(a for a in args if a.startswith("."))
+    extras = re.fullmatch(r"\.\[([\w,]+)\]", local)
+    assert extras and set(extras.group(1).split(",")) <= set(project["optional-dependencies"])
