@@ -10,7 +10,7 @@ from mptrain.config import validate
 from mptrain.errors import MptrainError
 
 BAD = [
-    (["model=foo"], "model=foo: unknown choice; model is one of: alexnet, custom, dcgan, googlenet, hf_causal_lm, inception_v3,"),
+    (["model=foo"], "model=foo: unknown choice; model is one of: alexnet, custom, dcgan, googlenet,"),
     (["trainer.foo=1"], "trainer.foo: unknown option; trainer has: max_steps"),
     (["optim.lr=abc"], "optim.lr=abc: must be of type float"),
     (["optim.lr=0"], "optim.lr=0.0: must be a number > 0"),
