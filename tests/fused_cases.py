@@ -100,7 +100,13 @@ def block_cases(fmt: BlockFormat) -> list[tuple[str, torch.Tensor, int]]:
     # under one block (an RGB stem, a narrow layer's 8 channels at a 3x3 filter's taps): one short block
     rgb = adversarial(8, 3 * 25, seed=9).view(8, 3, 5, 5)
     taps = adversarial(12, 8 * 9, seed=10).view(12, 8, 3, 3)
+    # a whole tensor of tiny amax (about 2**-117: NVFP4 shifts it by 2**64), FP32 subnormals inside
+    g = torch.Generator().manual_seed(11)
+    tiny = torch.randn(64, 96, generator=g) * torch.exp2(torch.randn(64, 96, generator=g) * 4) * 2.0**-133
+    tiny[0] = 0.0
+    tiny[1, ::3] = math.nan
     return [
+        ("tiny tensor", tiny, -1),
         ("rows", x, -1), ("columns", x, 0), ("transposed rows", x.t(), 1), ("transposed columns", x.t(), 0),
         ("padded rows", odd, 1), ("padded columns", odd, 0), ("channels", x4, 1),
         ("channels_last", x4.contiguous(memory_format=torch.channels_last), 1), ("padded 2x2 channels", narrow, 1),

@@ -671,8 +671,8 @@ def test_axiswise_scales_up_rows_of_tiny_values() -> None:
 def test_nvfp4_survives_a_tensor_of_tiny_amax(scale: float) -> None:
     """Below amax ~8e-36 the FP32 encode scale 1 / s_t overflowed: every element went to +-6 and
     zeros to NaN. With the encode scales clamped to FP32's max (NVIDIA's reference), zeros stay zero
-    and nothing grows; values still held by FP32 come back close; the tinier ones flush to zero,
-    as in NVIDIA's reference, rather than explode."""
+    and nothing grows; values still held by FP32 come back close, and the tinier ones flush to
+    zero rather than explode (since nvfp4_shift, the clamp is not reached from FP32 at all)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 32, generator=g) * scale
     x[:, ::4] = 0.0
@@ -683,6 +683,24 @@ def test_nvfp4_survives_a_tensor_of_tiny_amax(scale: float) -> None:
     if scale >= 1e-36:  # the block maxima: an E4M3 scale (3 mantissa bits) times 6, within 1/16
         blocks, top = x.view(-1, 16), x.view(-1, 16).abs().argmax(-1, keepdim=True)
         assert torch.allclose(q.view(-1, 16).gather(1, top), blocks.gather(1, top), rtol=1 / 16, atol=0)
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_nvfp4_decisions_are_invariant_to_powers_of_two_down_to_tiny_amax(block_2d: bool) -> None:
+    """Issue 76: x and x * 2**k get the same elements and block scales, and decode to the same values
+    times 2**k, for tensor amaxes from 2**0 down to 2**-117 (where s_t = amax / 2688 is an FP32
+    subnormal and 1 / s_t overflows: 18 of 256 elements changed before nvfp4_shift). The reference
+    is the tensor at amax 1, where nothing is near FP32's limits."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 16, generator=g) * torch.logspace(0, -6, 16).unsqueeze(1)  # blocks far apart
+    x = x / x.abs().amax()
+    ref = quantize_blocks(x, NVFP4, block_2d=block_2d)
+    for k in (-1, -30, -64, -65, -100, -114, -115, -117):
+        q = quantize_blocks(x * 2.0**k, NVFP4, block_2d=block_2d)
+        assert torch.equal(q.elements, ref.elements), k
+        assert torch.equal(q.block_scales, ref.block_scales), k
+        assert torch.equal(q.dequantized, (ref.dequantized.double() * 2.0**k).float()), k
+        assert q.tensor_scale.item() == (ref.tensor_scale.double() * 2.0**k).float().item(), k
 
 
 def test_float64_is_rounded_once() -> None:

@@ -226,14 +226,15 @@ def _k_axis(x3: Tensor, pf: Tensor, pi: Tensor, order: str, keys: Tensor | None,
 _NV = nf.E2M1  # NVFP4's elements (its block scales are E4M3, its tensor scale FP32)
 
 
-def _tensor_scale(x: Tensor, kind: str, bits: bool) -> tuple[Tensor | None, Tensor | None]:
-    """NVFP4's (amax of the finite elements, decode scale) for the whole tensor; (None, None) for MX.
+def _tensor_scale(x: Tensor, kind: str, bits: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """NVFP4's (amax of the finite elements times the shift, decode scale, shift) for the whole
+    tensor, the shift ``mx.nvfp4_shift``'s (the reference's order); (None, None, None) for MX.
     ``bits`` (a CPU's): the amax taken over the elements' bits less the sign, as integers
     (``_tree_amax`` says why that order is the floats'), the finite ones those under +inf's bits. Bit
     for bit the same value, with no NaN check in every step of the reduction: an NVFP4 (147, 8192)
     call took 0.84x as long on an AVX-512 CPU. (A GPU keeps the float form: not measured there.)"""
     if kind != "nvfp4":
-        return None, None
+        return None, None, None
     if bits:
         v = x.view(torch.int32) & 0x7FFFFFFF
         t_amax = torch.where(v < 0x7F800000, v, 0).amax().view(torch.float32)
@@ -247,14 +248,19 @@ def _tensor_scale(x: Tensor, kind: str, bits: bool) -> tuple[Tensor | None, Tens
         # keeps the blocks' view: flat, its kernels took 1.3-2.7x as long, scratch timings.)
         x = _merged(x, (x.numel(),))
         t_amax = torch.where(torch.isfinite(x), x.abs(), 0.0).amax()
-    return t_amax, mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0]
+    shift = mx.nvfp4_shift(t_amax)
+    t_amax = t_amax * shift
+    return t_amax, mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])[0] / shift, shift
 
 
-def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str) -> tuple[Tensor, Tensor]:
+def _block_scales(amax: Tensor, t_amax: Tensor | None, pi: Tensor, kind: str,
+                  shift: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(multiplier onto the element grid, local scale) per block: MX's E8M0 rule (``pi[1]``: the
-    element's emax), or NVFP4's E4M3 block scale under the tensor scale."""
+    element's emax), or NVFP4's E4M3 block scale under the tensor scale (``t_amax`` and the
+    multiplier in units of the blocks times ``shift``, as ``_tensor_scale`` gives them)."""
     bad = ~torch.isfinite(amax)
     if kind == "nvfp4":
+        amax = amax * shift
         t_scale, encode = mx.nvfp4_tensor_scales(t_amax, mx.BLOCK_FORMATS["nvfp4"])  # type: ignore[arg-type]
         e4m3, e4m3_i = _static(nf.E4M3)
         s_block = _round((amax / _NV.max_normal / t_scale).clamp(max=nf.E4M3.max_normal), e4m3, e4m3_i, None)
@@ -353,8 +359,8 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
     # (flat: NVFP4's B = 1 blocks on a CPU. Per row, wgrad's stochastic rotated calls took 1.04x as
     # long with the tree, in scripts/amax_bits_bench.py's replay; flat, they now take less time.)
     amax = _tree_amax(blocks) if bits and flat else blocks.abs().amax(2, keepdim=True)
-    t_amax, t_scale = _tensor_scale(blocks, kind, bits)
-    mult, local_scale = _block_scales(amax, t_amax, pi, kind)
+    t_amax, t_scale, shift = _tensor_scale(blocks, kind, bits)
+    mult, local_scale = _block_scales(amax, t_amax, pi, kind, shift)
     u = None
     if keys is not None:
         # Built in the blocks' own shape, the block's length a constant: viewed from an (A, N, B)
@@ -366,7 +372,7 @@ def _k_blocks(x3: Tensor, pf: Tensor, pi: Tensor, kind: str, short: bool, keys: 
                + _arange(nb, (1, nb, 1, 1), x3) * k + _arange(k, (1, 1, k, 1), x3))  # fmt: skip
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
         u = uniform_from_index(idx, ka, kb)
-    q = _round(blocks * mult, pf, pi, u)
+    q = _round((blocks if shift is None else blocks * shift) * mult, pf, pi, u)
     local = _cast_in_kernel(q * local_scale, out_dtype)
     # Kept scales with B = 1 return the blocks' shape, which the caller views: viewed as (A, N, 1) here,
     # inductor wrote the result once more into a buffer of that shape (it saw no view), a full pass.
@@ -390,14 +396,14 @@ def _k_tiles(x2: Tensor, pf: Tensor, pi: Tensor, kind: str, keys: Tensor | None,
     rt, ct = r // bs, c // bs
     tiles = x2.float().view(rt, bs, ct, bs)
     amax = tiles.abs().amax((1, 3), keepdim=True)
-    t_amax, t_scale = _tensor_scale(tiles, kind, x2.device.type == "cpu")
-    mult, local_scale = _block_scales(amax, t_amax, pi, kind)
+    t_amax, t_scale, shift = _tensor_scale(tiles, kind, x2.device.type == "cpu")
+    mult, local_scale = _block_scales(amax, t_amax, pi, kind, shift)
     u = None
     if keys is not None:
         idx = torch.arange(r * c, dtype=torch.int32, device=x2.device).view(rt, ct, bs, bs).permute(0, 2, 1, 3)
         ka, kb = draw_keys(keys, counter)  # type: ignore[arg-type]
         u = uniform_from_index(idx, ka, kb)
-    q = _round(tiles * mult, pf, pi, u)
+    q = _round((tiles if shift is None else tiles * shift) * mult, pf, pi, u)
     local = _cast_in_kernel(q * local_scale, out_dtype)
     # merged on a GPU (``_merged``: one kernel less in an NVFP4 Linear's forward graph); on a CPU the
     # view's kernel was the faster (merged, a (1024, 1024) NVFP4 call took 1.07x to 1.4x as long)

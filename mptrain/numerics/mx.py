@@ -21,7 +21,10 @@ E2M1 values, each block with an E4M3 scale, and one FP32 scale per tensor:
     tensor scale   s_t = amax(tensor) / (448 * 6)              (decode direction; 1 for an all-zero tensor)
                    encode scale 1 / s_t, kept finite as NVIDIA's reference keeps it: where 1 / s_t
                    would overflow FP32 (amax below ~8e-36, as gradients of an unscaled run can be),
-                   the encode scale is FP32's max and s_t its reciprocal, so the two stay inverse
+                   the encode scale is FP32's max and s_t its reciprocal, so the two stay inverse.
+                   Before that, a tensor of amax under 2**-64 is scaled by 2**64 (``nvfp4_shift``)
+                   and decoded back, so that its decisions are those of x * 2**k: the clamp and a
+                   subnormal s_t (amax below ~2**-114.6) are never reached from an FP32 tensor
     block scale    s_b = e4m3(min(amax(block) / 6 / s_t, 448))  (round-to-nearest-even, subnormals kept)
     elements       P_i = e2m1(clamp(V_i * min(encode / s_b, FP32 max), +-6))
     value          V_i ~ P_i * (s_t * s_b)
@@ -162,6 +165,10 @@ def quantize_blocks(
     if fmt.two_level:
         mags = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
         t_amax = mags.amax().float() if mags.numel() else torch.zeros((), device=xf.device)
+        # A tensor of tiny amax is scaled up by an exact power of two first (nvfp4_shift), so that
+        # its block decisions are those of the same tensor times 2**k; it is undone on decoding.
+        shift = nvfp4_shift(t_amax)
+        blocks, amax, t_amax = blocks * shift.to(blocks.dtype), amax * shift.to(amax.dtype), t_amax * shift
         t_scale, encode = nvfp4_tensor_scales(t_amax, fmt)
         s_block = round_to_element((amax.float() / fmt.element.max_normal / t_scale).clamp(max=E4M3.max_normal), E4M3)
         s_block = torch.where(bad, math.nan, s_block)
@@ -176,19 +183,22 @@ def quantize_blocks(
         bad = bad | (exps > E8M0_BIAS)  # a float64 block past E8M0's 2**127 (FP32 input cannot get there)
         exps = torch.where(bad, E8M0_NAN_EXPONENT, exps).to(torch.int32)
         scaled = blocks * exp2i(-exps.clamp(max=E8M0_BIAS)).unsqueeze(-1)  # exact: a power of two
-        t_scale = s_block = None  # type: ignore[assignment]
+        t_scale = s_block = shift = None  # type: ignore[assignment]
     q = round_to_element(scaled, fmt.element, stochastic=stochastic, generator=generator)
     q = torch.where(bad.unsqueeze(-1), math.nan, q)
     blocks = blocks.float()
     if s_block is not None:
         local = q * s_block.unsqueeze(-1)
-        deq = q * (t_scale * s_block).unsqueeze(-1)  # torchao's order, so dequantized values agree bit for bit
+        # torchao's order, so dequantized values agree bit for bit; then the shift undone (mostly / 1)
+        deq = q * (t_scale * s_block).unsqueeze(-1) / shift
     else:
         local = deq = q * exp2i(exps.clamp(max=E8M0_BIAS)).unsqueeze(-1)  # type: ignore[union-attr]
     deq_x = undo(deq)
     out = QuantizedBlocks(
         fmt=fmt, dequantized=deq_x, local=undo(local) if s_block is not None else deq_x, elements=undo(q),
-        scale_exponents=exps, block_scales=s_block, tensor_scale=t_scale, padded=padded,
+        scale_exponents=exps, block_scales=s_block, padded=padded,
+        # the decode scale of the tensor as given (an FP32 subnormal, or 0, where it was shifted)
+        tensor_scale=t_scale / shift if s_block is not None else None,
     )
     if with_stats:
         finite = torch.isfinite(blocks) & ~bad.unsqueeze(-1)
@@ -197,6 +207,7 @@ def quantize_blocks(
         out.flushed = (ok & (q == 0)).sum()
         # Past the largest value the block can hold (the element max times the block's scales),
         # compared in x's units: a reciprocal-scaled 6.0000005 that is really 6 does not count.
+        # (NVFP4: in the shifted units of ``blocks``, exact)
         top = fmt.element.max_normal * (t_scale * s_block if s_block is not None else exp2i(exps.clamp(max=E8M0_BIAS)))
         out.saturated = (finite & (blocks.abs() > top.unsqueeze(-1))).sum()
     return out
@@ -205,6 +216,22 @@ def quantize_blocks(
 def fake_quantize(x: Tensor, fmt: BlockFormat | str, dim: int = -1, **kw: object) -> Tensor:
     """``quantize_blocks(x, fmt, dim, **kw).dequantized`` in x's dtype: quantize and decode."""
     return quantize_blocks(x, fmt, dim, **kw).dequantized.to(x.dtype)  # type: ignore[arg-type]
+
+
+NVFP4_SHIFT = 2.0**64  # see nvfp4_shift
+NVFP4_SHIFT_BELOW = 2.0**-64
+
+
+def nvfp4_shift(t_amax: Tensor) -> Tensor:
+    """The power of two an NVFP4 tensor is scaled by before its scales are computed: 2**64 when its
+    amax is under 2**-64, else 1 (FP32, 0-dim). Why: s_t = amax / 2688 turns FP32-subnormal below amax
+    ~2**-114.6 and loses bits, and 1 / s_t overflows below ~2**-116.6, so the block scales (and with
+    them every element) of x and of x * 2**k differed at tiny amax: 18 of 256 elements at 2**-117.
+    Scaled by an exact 2**64, every FP32 amax (down to the smallest subnormal, 2**-149) is a normal
+    one whose decisions are invariant; amaxes of 2**-64 and above, and so every agreement with torchao,
+    are untouched."""
+    tiny = (t_amax > 0) & (t_amax < NVFP4_SHIFT_BELOW)
+    return torch.where(tiny, NVFP4_SHIFT, 1.0).to(torch.float32)
 
 
 def nvfp4_tensor_scales(t_amax: Tensor, fmt: BlockFormat) -> tuple[Tensor, Tensor]:
